@@ -58,7 +58,8 @@ def main() -> int:
     splits = [open_split(Path(cfg.data.root) / n / "train") for n in names]
     seq = TaskSequence.from_label_spaces(names, [s.label_space for s in splits])
     data = list(eval_batches(splits[0], rank=0, world=1, batch_size=args.batch, policy="sample",
-                             preprocess=backbone.preprocess, label_index=seq.label_to_index(), task=0))
+                             collate=backbone.make_collate(splits[0], 0, train=False,
+                                                           label_index=seq.label_to_index())))
     data = [b for b in data if len(b) == args.batch]
     batches = [data[i % len(data)] for i in range(args.steps)]
 

@@ -25,11 +25,15 @@ class _Strict(BaseModel):
 
 
 class BackboneConfig(_Strict):
-    """The frozen pre-trained model. ``path`` is a local directory in HF format (``config.json``)."""
+    """The frozen pre-trained model. ``path`` is a local directory in HF format (``config.json``), or a
+    hub id (``org/name``) where the machine has network."""
 
-    kind: Literal["vit"] = "vit"
+    kind: Literal["vit", "llava"] = "vit"
     path: str
     tag: str = Field("local", description="free-form name recorded in the run's report")
+    quantization: Literal["none", "4bit", "8bit"] = Field(
+        "none", description="load the frozen backbone in 4-bit (nf4) or 8-bit through bitsandbytes")
+    max_length: int = Field(2048, ge=8, description="longest tokenised sample allowed (llava)")
 
 
 class TaskSpec(_Strict):
@@ -38,6 +42,7 @@ class TaskSpec(_Strict):
     name: str
     train: str
     test: str
+    scorer: str | None = Field(None, description="instruction tasks: overrides the manifest's scorer")
 
 
 class DataConfig(_Strict):
@@ -52,6 +57,8 @@ class DataConfig(_Strict):
         "auto", description="how a split is divided over ranks: whole shards, or every W-th sample"
     )
     shuffle_buffer: int = Field(1000, ge=1)
+    reference: str | None = Field(
+        None, description="a split of the backbone's pre-training data (for methods that need a pre-trained subspace)")
 
     @field_validator("tasks")
     @classmethod
@@ -72,7 +79,7 @@ class DataConfig(_Strict):
             else:
                 spec = item
             spec = TaskSpec(
-                name=spec.name,
+                name=spec.name, scorer=spec.scorer,
                 train=str((base / spec.train).resolve()) if not Path(spec.train).is_absolute() else spec.train,
                 test=str((base / spec.test).resolve()) if not Path(spec.test).is_absolute() else spec.test,
             )
@@ -103,6 +110,7 @@ class TrainConfig(_Strict):
 class EvalConfig(_Strict):
     batch_size: int = Field(64, ge=1)
     zero_shot: bool = Field(True, description="evaluate the untrained method first (the forward-transfer baseline)")
+    max_new_tokens: int = Field(16, ge=1, description="generation cap for instruction tasks")
     mask_unseen_classes: bool = Field(
         True, description="class-incremental protocol: after task t only classes of tasks 0..t can be predicted "
                           "(tasks not yet seen then score 0); false = every class of the sequence competes")

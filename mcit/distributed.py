@@ -86,6 +86,15 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     return box[0]
 
 
+def gather_objects(obj: Any) -> list[Any]:
+    """Every rank's picklable ``obj``, in rank order, on every rank."""
+    if not (dist.is_initialized() and world_size() > 1):
+        return [obj]
+    out: list[Any] = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def all_ok(ok: bool) -> bool:
     """True on every rank iff ``ok`` is true on every rank (so all ranks fail together)."""
     t = torch.tensor([0 if ok else 1], dtype=torch.int64)

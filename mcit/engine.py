@@ -216,8 +216,7 @@ class TaskTrainer:
         method: Method,
         task: int,
         split: Split,
-        preprocess: Callable,
-        label_index: dict[int, int],
+        collate: Callable,
         step_dir: Path,
     ) -> dict[str, torch.Tensor]:
         cfg, t = self.cfg, self.cfg.train
@@ -259,7 +258,7 @@ class TaskTrainer:
             batches = train_batches(
                 split, rank=rank, world=world, batch_size=B, num_steps=steps_epoch, skip_steps=skip,
                 seed=data_seed(cfg.seed, task, epoch, rank), policy=policy, shuffle_buffer=cfg.data.shuffle_buffer,
-                preprocess=preprocess, label_index=label_index, task=task)
+                collate=collate)
             for s, batch in zip(range(skip, steps_epoch), batches):
                 w0 = (s // gas) * gas
                 n_window = sum(global_valid(counts, k, B) for k in range(w0, w0 + gas))

@@ -1,4 +1,4 @@
-"""Classification evaluation of every task, sharded across ranks and summed.
+"""Evaluation of every task, sharded across ranks: classification accuracy or scored generations.
 
 No collectives run inside the loop (ranks may hold different numbers of test samples); one
 all_reduce of (correct, total) per task at the end. Predictions are per sample, so the result does
@@ -19,8 +19,8 @@ from mcit.methods.base import Method
 
 
 @torch.no_grad()
-def evaluate_tasks(method: Method, splits: list[Split], *, batch_size: int, policy: str, preprocess: Callable,
-                   label_index: dict[int, int], allowed_classes: torch.Tensor | None = None,
+def evaluate_tasks(method: Method, splits: list[Split], *, batch_size: int, policy: str, collates: list[Callable],
+                   allowed_classes: torch.Tensor | None = None,
                    progress: bool = False, desc: str = "eval") -> list[tuple[int, int]]:
     """(correct, total) per split, summed over ranks. ``allowed_classes``: bool mask over classes."""
     method.eval()
@@ -34,7 +34,7 @@ def evaluate_tasks(method: Method, splits: list[Split], *, batch_size: int, poli
                    mininterval=0.5 if sys.stderr.isatty() else 10.0)
     for i, split in enumerate(splits):
         for batch in eval_batches(split, rank=dist.rank(), world=dist.world_size(), batch_size=batch_size,
-                                  policy=policy, preprocess=preprocess, label_index=label_index, task=i):
+                                  policy=policy, collate=collates[i]):
             batch.allowed_classes = allowed_classes
             batch = batch.to(device)
             pred = method.predict(batch)
@@ -46,3 +46,45 @@ def evaluate_tasks(method: Method, splits: list[Split], *, batch_size: int, poli
         bar.close()
     dist.all_reduce_sum(counts)
     return [(int(c), int(n)) for c, n in counts.tolist()]
+
+
+@torch.no_grad()
+def evaluate_generation(method: Method, splits: list[Split], *, batch_size: int, policy: str,
+                        collates: list[Callable], scorers: list[str], max_new_tokens: int,
+                        answers_dir: Any | None = None, progress: bool = False,
+                        desc: str = "eval") -> list[tuple[float, int]]:
+    """(summed score, count) per split. Each rank generates for its part of every split; the answers
+    are gathered to rank 0, which writes ``answers_dir/<i>.jsonl`` (key, question, references,
+    prediction, score) sorted by key, so scores can be recomputed without the model."""
+    import json
+
+    from mcit import scorers as S
+    from mcit.checkpoint import atomic_write_text
+
+    method.eval()
+    device = dist.device()
+    out: list[tuple[float, int]] = []
+    bar = None
+    if progress and dist.is_main():
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=sum(s.num_samples for s in splits), desc=desc, unit="sample", leave=False,
+                   dynamic_ncols=True, mininterval=0.5 if sys.stderr.isatty() else 10.0)
+    for i, split in enumerate(splits):
+        score = S.get(scorers[i])
+        rows = []
+        for batch in eval_batches(split, rank=dist.rank(), world=dist.world_size(), batch_size=batch_size,
+                                  policy=policy, collate=collates[i]):
+            preds = method.generate(batch.to(device), max_new_tokens)
+            for pred, ref in zip(preds, batch.meta):
+                rows.append({"key": ref["key"], "question": ref["question"], "answers": ref["answers"],
+                             "prediction": pred, "score": score(pred, ref)})
+            if bar is not None:
+                bar.update(len(batch) * dist.world_size())
+        gathered = sorted((r for part in dist.gather_objects(rows) for r in part), key=lambda r: r["key"])
+        if dist.is_main() and answers_dir is not None:
+            atomic_write_text(answers_dir / f"{i}.jsonl", "".join(json.dumps(r) + "\n" for r in gathered))
+        out.append((float(sum(r["score"] for r in gathered)), len(gathered)))
+    if bar is not None:
+        bar.close()
+    return out

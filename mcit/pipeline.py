@@ -131,6 +131,10 @@ class Pipeline:
         self.method.load_state_dict(state)
         self.method.to(dist.device())
 
+    def _collate(self, t: int, *, train: bool, split: Split | None = None) -> Any:
+        split = split or (self.plan.train[t] if train else self.plan.test[t])
+        return self.backbone.make_collate(split, t, train=train, label_index=self.plan.sequence.label_to_index())
+
     def _save_current(self, key: str) -> str:
         rel = "checkpoints/current.safetensors"
         if dist.is_main():
@@ -147,8 +151,9 @@ class Pipeline:
             for task in self.plan.sequence.tasks[:trained]:
                 allowed[list(task.classes)] = True
         res = evaluate_tasks(self.method, self.plan.test, batch_size=self.cfg.eval.batch_size,
-                             policy=self.cfg.data.split, preprocess=self.backbone.preprocess,
-                             label_index=self.plan.sequence.label_to_index(), allowed_classes=allowed,
+                             policy=self.cfg.data.split,
+                             collates=[self._collate(i, train=False) for i in range(len(self.plan.test))],
+                             allowed_classes=allowed,
                              progress=self.cfg.train.progress, desc=desc)
         return {"correct": [c for c, _ in res], "total": [n for _, n in res],
                 "acc": [100.0 * c / max(n, 1) for c, n in res]}
@@ -163,8 +168,7 @@ class Pipeline:
         self.method.set_task(t)
         step_dir = self.run_dir / "checkpoints" / f"task_{t}" / "steps"
         trainer = TaskTrainer(self.cfg, self.logger)
-        state = trainer.train(self.method, t, self.plan.train[t], self.backbone.preprocess,
-                              self.plan.sequence.label_to_index(), step_dir)
+        state = trainer.train(self.method, t, self.plan.train[t], self._collate(t, train=True), step_dir)
         self._reload(state)
         self.method.set_task(t)
         self.method.after_task(t)
@@ -181,8 +185,7 @@ class Pipeline:
             with torch.no_grad():
                 for batch in eval_batches(self.plan.train[t], rank=dist.rank(), world=dist.world_size(),
                                           batch_size=self.cfg.eval.batch_size, policy=self.cfg.data.split,
-                                          preprocess=self.backbone.preprocess,
-                                          label_index=self.plan.sequence.label_to_index(), task=t):
+                                          collate=self._collate(t, train=True)):
                     stats = self.method.statistics(batch.to(dist.device()))
                     if stats is None:
                         continue

@@ -48,5 +48,6 @@ class Registry(Generic[T]):
         return sorted(self._items)
 
 
-METHODS: Registry = Registry("method", ("mcit.methods.seq", "mcit.methods.l2p"))
-BACKBONES: Registry = Registry("backbone", ("mcit.models.vit",))
+METHODS: Registry = Registry("method", ("mcit.methods.seq", "mcit.methods.l2p", "mcit.methods.prompt_tuning",
+                                        "mcit.methods.fwd_prompt", "mcit.methods.lora"))
+BACKBONES: Registry = Registry("backbone", ("mcit.models.vit", "mcit.models.mllm"))

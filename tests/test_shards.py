@@ -4,7 +4,7 @@ import json
 import pytest
 from PIL import Image
 
-from mcit.data.loader import global_valid, micro_steps_per_epoch, rank_counts, train_batches
+from mcit.data.loader import classification_collate, global_valid, micro_steps_per_epoch, rank_counts, train_batches
 from mcit.data.shards import DataError, assign, decode_sample, iter_samples, open_split, write_split
 
 
@@ -60,8 +60,8 @@ def test_uneven_ranks_padding_and_global_valid(split):
     seen = 0
     for r in range(world):
         batches = list(train_batches(split, rank=r, world=world, batch_size=B, num_steps=steps, skip_steps=0, seed=1,
-                                     policy="shard", shuffle_buffer=8, preprocess=lambda ims: _t(ims),
-                                     label_index={0: 0, 1: 1, 2: 2}, task=0))
+                                     policy="shard", shuffle_buffer=8,
+                                     collate=classification_collate(_t, {0: 0, 1: 1, 2: 2}, 0, split)))
         assert len(batches) == steps and all(len(b) == B for b in batches)
         seen += int(sum(b.valid.sum() for b in batches))
     assert seen == 103

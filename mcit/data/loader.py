@@ -34,22 +34,29 @@ def global_valid(counts: list[int], step: int, batch_size: int) -> int:
     return sum(min(batch_size, max(0, n - step * batch_size)) for n in counts)
 
 
-def _collate(samples: list[dict], preprocess: Callable, label_index: dict[int, int], task: int,
-             split: Split) -> Batch:
-    images, labels, keys = [], [], []
-    for s in samples:
-        image, label, key = decode_sample(s)
-        if label not in label_index:
-            raise DataError(f"sample {key} in {split.directory}: label {label} is not in the task sequence's classes")
-        images.append(image)
-        labels.append(label_index[label])
-        keys.append(key)
-    return Batch(preprocess(images), torch.tensor(labels, dtype=torch.long), torch.ones(len(labels)), task, keys)
+Collate = Callable[[list[dict]], Batch]
+
+
+def classification_collate(preprocess: Callable, label_index: dict[int, int], task: int, split: Split) -> Collate:
+    """Raw (image, class) samples -> a Batch of pixel values and global class indices."""
+
+    def collate(samples: list[dict]) -> Batch:
+        images, labels, keys = [], [], []
+        for s in samples:
+            image, label, key = decode_sample(s)
+            if label not in label_index:
+                raise DataError(f"sample {key} in {split.directory}: label {label} is not in the task sequence's classes")
+            images.append(image)
+            labels.append(label_index[label])
+            keys.append(key)
+        return Batch(preprocess(images), torch.tensor(labels, dtype=torch.long), torch.ones(len(labels)), task, keys)
+
+    return collate
 
 
 def train_batches(
     split: Split, *, rank: int, world: int, batch_size: int, num_steps: int, skip_steps: int, seed: int,
-    policy: str, shuffle_buffer: int, preprocess: Callable, label_index: dict[int, int], task: int,
+    policy: str, shuffle_buffer: int, collate: Collate,
 ) -> Iterator[Batch]:
     """Exactly ``num_steps - skip_steps`` batches of size ``batch_size`` for this rank."""
     stream = iter_samples(split, rank, world, policy=policy, shuffle_seed=seed, shuffle_buffer=shuffle_buffer,
@@ -58,37 +65,39 @@ def train_batches(
     for _ in range(skip_steps, num_steps):
         chunk = [s for _, s in zip(range(batch_size), stream)]
         if chunk:
-            batch = _collate(chunk, preprocess, label_index, task, split)
+            batch = collate(chunk)
             template = batch
         else:
             batch = None
         if batch is None or len(batch) < batch_size:
             if template is None:  # this rank owns no sample at all: borrow one to keep shapes
                 first = next(iter_samples(split, 0, 1, policy="sample"))
-                template = _collate([first], preprocess, label_index, task, split)
+                template = collate([first])
             batch = _pad(batch, template, batch_size)
         yield batch
 
 
 def _pad(batch: Batch | None, template: Batch, size: int) -> Batch:
+    """Fill a short batch up to ``size`` with zero-weight copies of its own rows (or the template's)."""
     have = 0 if batch is None else len(batch)
-    reps = torch.arange(size - have) % len(template)
-    pv = template.pixel_values[reps]
-    lab = template.labels[reps]
-    if batch is None:
-        return Batch(pv, lab, torch.zeros(size), template.task, [])
-    return Batch(torch.cat([batch.pixel_values, pv]), torch.cat([batch.labels, lab]),
-                 torch.cat([batch.valid, torch.zeros(size - have)]), batch.task, batch.keys)
+    source = batch if have else template
+    reps = torch.arange(size - have) % len(source)
+    extra = source.select(reps)
+    extra.valid = torch.zeros(size - have)
+    if batch is None or have == 0:
+        extra.keys = []
+        return extra
+    return Batch.concat([batch, extra])
 
 
-def eval_batches(split: Split, *, rank: int, world: int, batch_size: int, policy: str, preprocess: Callable,
-                 label_index: dict[int, int], task: int) -> Iterator[Batch]:
+def eval_batches(split: Split, *, rank: int, world: int, batch_size: int, policy: str,
+                 collate: Collate) -> Iterator[Batch]:
     """This rank's part of a split in manifest order, unpadded (evaluation runs no collectives)."""
     chunk: list[dict] = []
     for s in iter_samples(split, rank, world, policy=policy):
         chunk.append(s)
         if len(chunk) == batch_size:
-            yield _collate(chunk, preprocess, label_index, task, split)
+            yield collate(chunk)
             chunk = []
     if chunk:
-        yield _collate(chunk, preprocess, label_index, task, split)
+        yield collate(chunk)

@@ -66,24 +66,47 @@ class TaskSequence:
 
 @dataclass
 class Batch:
-    """One batch. ``valid`` is 1 for real samples and 0 for padding (see mcit.data.shards)."""
+    """One batch. ``valid`` is 1 for real samples and 0 for padding (see mcit.data.loader).
+
+    Classification: ``pixel_values`` + ``labels`` (global class indices). Instruction tasks also fill
+    ``inputs`` (token tensors: ``input_ids``, ``attention_mask``, ...; ``labels`` is then the LM target
+    with -100 outside the answer) and ``meta`` (per-sample references for the scorers).
+    """
 
     pixel_values: torch.Tensor
-    labels: torch.Tensor  # global class indices
+    labels: torch.Tensor
     valid: torch.Tensor
     task: int  # the task being trained; never available to predict()
     keys: list[str] = field(default_factory=list)
     # Evaluation only: the classes a prediction may take (the classes of the tasks trained so far, the
     # usual class-incremental protocol); the same for every sample, so it reveals no task identity.
     allowed_classes: torch.Tensor | None = None
+    inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    meta: list[dict] = field(default_factory=list)
 
     def to(self, device: torch.device) -> "Batch":
         allowed = None if self.allowed_classes is None else self.allowed_classes.to(device)
         return Batch(self.pixel_values.to(device), self.labels.to(device), self.valid.to(device), self.task,
-                     self.keys, allowed)
+                     self.keys, allowed, {k: v.to(device) for k, v in self.inputs.items()}, self.meta)
+
+    def select(self, idx: torch.Tensor) -> "Batch":
+        """The rows ``idx`` (every per-sample field)."""
+        rows = idx.tolist()
+        return Batch(self.pixel_values[idx], self.labels[idx], self.valid[idx], self.task,
+                     [self.keys[i] for i in rows] if self.keys else [], self.allowed_classes,
+                     {k: v[idx] for k, v in self.inputs.items()}, [self.meta[i] for i in rows] if self.meta else [])
+
+    @staticmethod
+    def concat(batches: list["Batch"]) -> "Batch":
+        """Row-wise concatenation of batches with the same tensor shapes beyond dim 0."""
+        b0 = batches[0]
+        return Batch(torch.cat([b.pixel_values for b in batches]), torch.cat([b.labels for b in batches]),
+                     torch.cat([b.valid for b in batches]), b0.task, [k for b in batches for k in b.keys],
+                     b0.allowed_classes, {k: torch.cat([b.inputs[k] for b in batches]) for k in b0.inputs},
+                     [m for b in batches for m in b.meta])
 
     def __len__(self) -> int:
-        return int(self.labels.shape[0])
+        return int(self.valid.shape[0])
 
 
 class LossTerms(dict):
@@ -172,7 +195,14 @@ class Method(nn.Module):
         return None
 
     def finalize_statistics(self, reduced: dict[str, torch.Tensor], task: int) -> None:
-        pass
+        """Turn the rank-summed statistics of task ``task`` (-1: the reference set) into method state.
+        Runs on rank 0 only; the pipeline broadcasts the resulting state_dict."""
+
+    @classmethod
+    def reference_required(cls, params: MethodParams) -> bool:
+        """True when the method needs the statistics of ``data.reference`` (a sample of the backbone's
+        pre-training data) before the first task, e.g. Fwd-Prompt's pre-trained subspace."""
+        return False
 
     # -- inference ---------------------------------------------------------------------------------
     @staticmethod

@@ -86,6 +86,14 @@ class ViTBackbone(nn.Module):
         x = torch.from_numpy(np.stack(arrs)).permute(0, 3, 1, 2)
         return ((x - self.mean) / self.std).contiguous()
 
+    task_type = "classification"
+
+    def make_collate(self, split: Any, task: int, *, train: bool, label_index: dict[int, int]) -> Any:
+        """How raw samples of ``split`` become a Batch (classification: images and class indices)."""
+        from mcit.data.loader import classification_collate
+
+        return classification_collate(self.preprocess, label_index, task, split)
+
     def embed(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """[CLS] + patch tokens with position embeddings: (B, 1 + N, D)."""
         return self.model.embeddings(pixel_values.to(self.dtype))
@@ -103,5 +111,6 @@ class ViTBackbone(nn.Module):
         return self.encode(self.embed(pixel_values))[:, 0]
 
 
-def load_backbone(kind: str, path: str, dtype: torch.dtype = torch.float32) -> nn.Module:
-    return BACKBONES.get(kind).from_path(path, dtype=dtype)
+def load_backbone(kind: str, path: str, dtype: torch.dtype = torch.float32, **options: Any) -> nn.Module:
+    """The registered backbone ``kind`` from ``path``; ``options`` are kind-specific (quantization, ...)."""
+    return BACKBONES.get(kind).from_path(path, dtype=dtype, **options)

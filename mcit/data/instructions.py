@@ -1,0 +1,112 @@
+"""Instruction samples (an image + a LLaVA-style conversation) in webdataset shards.
+
+A sample in a shard is ``<key>.<png|jpg|jpeg>`` (the image bytes, unchanged) and ``<key>.json``::
+
+    {"conversations": [{"from": "human", "value": "<image>\\nQuestion"}, {"from": "gpt", "value": "answer"}],
+     "answers": ["annotator 1", ...],      # optional: VQA-style reference answers
+     "box": [x0, y0, x1, y1]}              # optional: grounding reference
+
+The manifest of an instruction split has ``"kind": "instruction"``, an empty ``label_space`` and the
+task's default ``"scorer"`` (see mcit.scorers). Multi-turn conversations are cut into one sample per
+(human, gpt) turn by ``records_from_llava_json``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+from mcit.data.shards import DataError, write_split
+
+IMAGE_EXTS = ("png", "jpg", "jpeg")
+
+
+def write_instruction_split(directory: Path, samples: list[dict[str, Any]], *, shard_size: int,
+                            scorer: str, extra: dict[str, Any] | None = None) -> dict:
+    """Shard ``samples`` (dicts with __key__, png/jpg bytes, conversations, optional answers/box)."""
+    rows = []
+    for s in samples:
+        rec = {k: s[k] for k in ("conversations", "answers", "box") if k in s}
+        row = {"__key__": s["__key__"], "json": json.dumps(rec).encode()}
+        for ext in IMAGE_EXTS:
+            if ext in s:
+                row[ext] = s[ext]
+        rows.append(row)
+    return write_split(directory, rows, shard_size=shard_size, label_space=[],
+                       extra={"kind": "instruction", "scorer": scorer, **(extra or {})})
+
+
+def turns(conversations: list[dict[str, str]], where: str) -> list[tuple[str, str]]:
+    """(question, answer) pairs of a LLaVA conversation; a clear error names ``where`` if malformed."""
+    out = []
+    if not isinstance(conversations, list) or len(conversations) < 2:
+        raise DataError(f"{where}: 'conversations' must hold at least one human and one gpt turn")
+    for i in range(0, len(conversations) - 1, 2):
+        h, g = conversations[i], conversations[i + 1]
+        if h.get("from") != "human" or g.get("from") != "gpt":
+            raise DataError(f"{where}: turn {i // 2} is not a human/gpt pair (got {h.get('from')!r}/{g.get('from')!r})")
+        out.append((str(h.get("value", "")), str(g.get("value", ""))))
+    return out
+
+
+def decode_instruction(sample: dict) -> tuple[Any, dict[str, Any], str]:
+    """(PIL RGB image, {"question", "answer", "answers", "box"?}, key) of a raw shard sample."""
+    from PIL import Image
+
+    key = sample.get("__key__", "?")
+    where = f"sample {key} in {sample.get('__url__', '?')}"
+    try:
+        rec = json.loads(sample["json"])
+        data = next(sample[e] for e in IMAGE_EXTS if e in sample)
+        image = Image.open(io.BytesIO(data)).convert("RGB")
+    except StopIteration:
+        raise DataError(f"{where}: no image (expected one of {', '.join(IMAGE_EXTS)})") from None
+    except Exception as e:  # noqa: BLE001 - any decoding failure names the sample
+        raise DataError(f"{where}: cannot decode ({e.__class__.__name__}: {e})") from None
+    question, answer = turns(rec.get("conversations"), where)[0]
+    out = {"question": question, "answer": answer, "answers": rec.get("answers") or [answer]}
+    if "box" in rec:
+        out["box"] = rec["box"]
+    return image, out, key
+
+
+def records_from_llava_json(json_path: Path, image_root: Path) -> Iterator[dict[str, Any]]:
+    """Samples of a LLaVA-format JSON list (``id``, ``image``, ``conversations``[, ``answers``, ``box``])
+    with the image bytes read from ``image_root``; one sample per conversation turn."""
+    try:
+        items = json.loads(Path(json_path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise DataError(f"cannot read {json_path}: {e}") from None
+    if not isinstance(items, list):
+        raise DataError(f"{json_path}: expected a JSON list of samples")
+    for n, item in enumerate(items):
+        where = f"{json_path} item {n} (id {item.get('id', '?')!r})"
+        if "image" not in item:
+            raise DataError(f"{where}: no 'image' field")
+        img = image_root / item["image"]
+        if not img.is_file():
+            raise DataError(f"{where}: image not found: {img}")
+        ext = img.suffix.lower().lstrip(".")
+        if ext not in IMAGE_EXTS:
+            raise DataError(f"{where}: image {img} is not one of {', '.join(IMAGE_EXTS)}")
+        data = img.read_bytes()
+        for t, (q, a) in enumerate(turns(item.get("conversations"), where)):
+            rec: dict[str, Any] = {"__key__": f"{_safe(item.get('id', n))}_t{t}", ext: data,
+                                   "conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]}
+            if t == 0:
+                for k in ("answers", "box"):
+                    if k in item:
+                        rec[k] = item[k]
+            yield rec
+
+
+def _safe(x: Any) -> str:
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in str(x))
+
+
+def all_texts(samples: Iterable[dict[str, Any]]) -> Iterator[str]:
+    for s in samples:
+        for turn in s["conversations"]:
+            yield turn["value"].replace("<image>", " ")

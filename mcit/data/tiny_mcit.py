@@ -1,0 +1,214 @@
+"""The embedded multimodal continual-instruction benchmark (procedural images, no download).
+
+Every image is 32x32 RGB, drawn with PIL from a seed, or a real 8x8 handwritten digit from
+scikit-learn (upscaled and tinted). Two families of data come out of here:
+
+* the **base mix** the project instruction-tunes its tiny LLaVA on (its "pre-training"): a caption of
+  the whole scene ("a red circle on the left", "three blue squares", "the digit seven") and the
+  question "What shape is this?". The captions mention every attribute, so the pre-trained model
+  *knows* colours, counts, positions and digits, as a real MLLM knows much more than its tasks;
+* the **continual tasks**, each a new instruction whose one-word answer needs the image: ``colour``,
+  ``count``, ``position``, ``digit``. The model never saw these questions, so zero-shot it answers
+  in the wrong form (a caption or a shape), and each task must be learned.
+
+Records are LLaVA-style conversations (``{"conversations": [{"from": "human", "value": "<image>\\n..."},
+{"from": "gpt", "value": ...}]}``), the format of CoIN and UCIT, so the same shard writer serves both.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+COLOURS: dict[str, tuple[int, int, int]] = {
+    "red": (220, 30, 30), "green": (30, 190, 40), "blue": (40, 70, 230), "yellow": (235, 220, 40),
+    "purple": (150, 40, 200), "orange": (250, 140, 20),
+}
+SHAPES = ["circle", "square", "triangle", "cross"]
+POSITIONS = ["left", "right", "top", "bottom"]
+NUMBERS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+SIZE = 32
+
+QUESTIONS = {
+    "caption": "Describe the image.",
+    "shape": "What shape is this?",
+    "colour": "What colour is the shape?",
+    "count": "How many shapes are there?",
+    "position": "Where is the shape?",
+    "digit": "Which digit is written here?",
+}
+CONTINUAL_TASKS = ["colour", "count", "position", "digit"]
+TEMPLATE_WORDS = "USER : ASSISTANT"  # the chat template's own words (the tokenizer must know them)
+
+
+@dataclass
+class Scene:
+    image: Any  # PIL.Image
+    colour: str
+    shape: str
+    count: int
+    position: str | None  # for single-object scenes
+    digit: int | None = None
+
+
+def _draw_shape(draw: Any, shape: str, cx: float, cy: float, r: float, fill: tuple[int, int, int]) -> None:
+    if shape == "circle":
+        draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=fill)
+    elif shape == "square":
+        draw.rectangle([cx - r, cy - r, cx + r, cy + r], fill=fill)
+    elif shape == "triangle":
+        draw.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=fill)
+    else:  # cross
+        w = max(1.5, r / 2.5)
+        draw.rectangle([cx - r, cy - w, cx + r, cy + w], fill=fill)
+        draw.rectangle([cx - w, cy - r, cx + w, cy + r], fill=fill)
+
+
+def _canvas(rng: np.random.RandomState) -> tuple[Any, Any]:
+    from PIL import Image, ImageDraw
+
+    bg = tuple(int(v) for v in rng.randint(0, 40, size=3))
+    img = Image.new("RGB", (SIZE, SIZE), bg)
+    return img, ImageDraw.Draw(img)
+
+
+def single_scene(rng: np.random.RandomState) -> Scene:
+    """One shape of one colour placed on the left, right, top or bottom of the image."""
+    img, draw = _canvas(rng)
+    colour = COLOURS_LIST[rng.randint(len(COLOURS_LIST))]
+    shape = SHAPES[rng.randint(len(SHAPES))]
+    position = POSITIONS[rng.randint(len(POSITIONS))]
+    r = rng.uniform(4.0, 6.5)
+    jitter = rng.uniform(-3, 3)
+    near, far = rng.uniform(6.5, 9.0), SIZE / 2 + jitter
+    cx, cy = {"left": (near, far), "right": (SIZE - near, far), "top": (far, near),
+              "bottom": (far, SIZE - near)}[position]
+    _draw_shape(draw, shape, cx, cy, r, COLOURS[colour])
+    return Scene(img, colour, shape, 1, position)
+
+
+def multi_scene(rng: np.random.RandomState, count: int | None = None) -> Scene:
+    """1-4 small shapes of one shape and colour, on a 3x3 grid of cells (no overlaps)."""
+    img, draw = _canvas(rng)
+    colour = COLOURS_LIST[rng.randint(len(COLOURS_LIST))]
+    shape = SHAPES[rng.randint(len(SHAPES))]
+    n = int(count if count is not None else rng.randint(1, 5))
+    cells = rng.permutation(9)[:n]
+    for c in cells:
+        cx = 5.5 + (c % 3) * 10.5 + rng.uniform(-1, 1)
+        cy = 5.5 + (c // 3) * 10.5 + rng.uniform(-1, 1)
+        _draw_shape(draw, shape, cx, cy, rng.uniform(2.8, 3.8), COLOURS[colour])
+    return Scene(img, colour, shape, n, None)
+
+
+COLOURS_LIST = list(COLOURS)
+
+
+def digit_scene(rng: np.random.RandomState, digit_image: np.ndarray, digit: int) -> Scene:
+    """A real 8x8 scikit-learn digit, upscaled to 32x32 and tinted with a random colour."""
+    from PIL import Image
+
+    colour = COLOURS_LIST[rng.randint(len(COLOURS_LIST))]
+    a = np.clip(digit_image / 16.0, 0, 1)
+    a = np.kron(a, np.ones((4, 4)))  # 8x8 -> 32x32
+    rgb = (a[..., None] * np.array(COLOURS[colour])[None, None, :]).astype(np.uint8)
+    return Scene(Image.fromarray(rgb, mode="RGB"), colour, "digit", 1, None, digit)
+
+
+def caption(scene: Scene) -> str:
+    if scene.digit is not None:
+        return f"the digit {NUMBERS[scene.digit]}"
+    if scene.position is not None:
+        return f"a {scene.colour} {scene.shape} on the {scene.position}"
+    noun = scene.shape + ("es" if scene.shape == "cross" else "s") if scene.count > 1 else scene.shape
+    return f"{NUMBERS[scene.count]} {scene.colour} {noun}"
+
+
+def png_bytes(image: Any) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def record(key: str, scene: Scene, question: str, answer: str) -> dict[str, Any]:
+    """One LLaVA-style conversation sample (the shard writer's input)."""
+    return {"__key__": key, "png": png_bytes(scene.image),
+            "conversations": [{"from": "human", "value": f"<image>\n{question}"}, {"from": "gpt", "value": answer}],
+            "answers": [answer]}
+
+
+def _digits(train: bool, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    d = load_digits()
+    xtr, xte, ytr, yte = train_test_split(d.images, d.target, test_size=0.25, random_state=seed, stratify=d.target)
+    return (xtr, ytr) if train else (xte, yte)
+
+
+def task_samples(task: str, n: int, seed: int, *, train: bool) -> list[dict[str, Any]]:
+    """``n`` samples of one task. Train and test draw from disjoint seeds (and disjoint real digits)."""
+    rng = np.random.RandomState(seed * 7919 + (0 if train else 1) + 17 * (list(QUESTIONS).index(task) + 1))
+    prefix = f"{task}_{'train' if train else 'test'}"
+    out: list[dict[str, Any]] = []
+    if task == "digit":
+        xs, ys = _digits(train, seed)
+        order = rng.permutation(len(xs))
+        for i in range(n):
+            j = order[i % len(xs)]
+            s = digit_scene(rng, xs[j], int(ys[j]))
+            out.append(record(f"{prefix}_{i:06d}", s, QUESTIONS["digit"], NUMBERS[s.digit]))
+        return out
+    make: Callable[[], Scene]
+    for i in range(n):
+        if task == "colour":
+            s = single_scene(rng) if rng.rand() < 0.5 else multi_scene(rng)
+            ans = s.colour
+        elif task == "count":
+            s = multi_scene(rng)
+            ans = NUMBERS[s.count]
+        elif task == "position":
+            s = single_scene(rng)
+            ans = s.position
+        elif task == "shape":
+            s = single_scene(rng) if rng.rand() < 0.5 else multi_scene(rng)
+            ans = s.shape
+        else:
+            raise ValueError(f"unknown task {task!r}")
+        out.append(record(f"{prefix}_{i:06d}", s, QUESTIONS[task], ans))
+    return out
+
+
+def base_mix(n: int, seed: int, *, train: bool = True) -> list[dict[str, Any]]:
+    """The pre-training mix: captions of every scene family, and the shape question."""
+    rng = np.random.RandomState(seed * 104729 + (0 if train else 1))
+    xs, ys = _digits(train, seed)
+    out = []
+    for i in range(n):
+        u = rng.rand()
+        if u < 0.25:
+            s = single_scene(rng)
+        elif u < 0.5:
+            s = multi_scene(rng)
+        else:
+            s = None
+        if u >= 0.5 and u < 0.7:
+            j = rng.randint(len(xs))
+            s = digit_scene(rng, xs[j], int(ys[j]))
+        if s is None:
+            s = single_scene(rng) if rng.rand() < 0.5 else multi_scene(rng)
+            out.append(record(f"base_{i:06d}", s, QUESTIONS["shape"], s.shape))
+        else:
+            out.append(record(f"base_{i:06d}", s, QUESTIONS["caption"], caption(s)))
+    return out
+
+
+def corpus() -> list[str]:
+    """Every word the benchmark can ask or answer (the tiny tokenizer is trained on this)."""
+    words = [TEMPLATE_WORDS, "a the on digit", *QUESTIONS.values(), *COLOURS, *POSITIONS, *NUMBERS]
+    for sh in SHAPES:
+        words += [sh, sh + ("es" if sh == "cross" else "s")]
+    return words

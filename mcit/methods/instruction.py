@@ -1,0 +1,61 @@
+"""Shared machinery of methods that tune a frozen multimodal LLM (``backbone.kind: llava``).
+
+A subclass decides which prompt vectors (B, P, d) go in front of each sample's input embeddings
+(``select_prompts``) and may add per-sample terms; this base builds the embeddings, inserts the
+prompts, computes the answer-token loss and generates. ``predict`` (classification) does not apply.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mcit.methods.base import Batch, LossTerms, Method
+
+
+class InstructionMethod(Method):
+    """Base of MCIT methods: training by answer-token loss, evaluation by generation."""
+
+    def _check_backbone(self) -> None:
+        if getattr(self.backbone, "task_type", None) != "generation":
+            raise TypeError(f"method {self.name} tunes a multimodal LLM; backbone.kind must be llava")
+
+    def select_prompts(self, batch: Batch, embeds: torch.Tensor, image_query: torch.Tensor
+                       ) -> tuple[torch.Tensor | None, dict[str, Any]]:
+        """Prompt vectors (B, P, d) for each sample (or None) and extra outputs for ``loss``."""
+        return None, {}
+
+    def _inputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, Any]]:
+        embeds, image_query = self.backbone.input_embeddings(batch)
+        prompts, extra = self.select_prompts(batch, embeds, image_query)
+        e, m, lab = self.backbone.insert_prompts(embeds, batch.inputs["attention_mask"], prompts, batch.labels)
+        return e, m, lab, extra
+
+    def train_outputs(self, batch: Batch) -> dict[str, Any]:
+        e, m, lab, extra = self._inputs(batch)
+        return {"lm_loss": self.backbone.lm_loss(e, m, lab), **extra}
+
+    def loss(self, batch: Batch, outputs: dict[str, Any]) -> LossTerms:
+        lm = outputs["lm_loss"]
+        return LossTerms(per_sample=lm, logs={"lm_loss": float(lm.detach().mean())})
+
+    @torch.no_grad()
+    def generate(self, batch: Batch, max_new_tokens: int) -> list[str]:
+        """Greedy answers, one independent decision per sample."""
+        e, m, _, _ = self._inputs(batch)
+        return self.backbone.generate(e, m, max_new_tokens)
+
+    def predict(self, batch: Batch) -> torch.Tensor:
+        raise TypeError(f"method {self.name} generates answers; it has no class prediction")
+
+
+def init_from_vocab(backbone: Any, shape: tuple[int, ...]) -> torch.nn.Parameter:
+    """Prompt vectors initialised from randomly drawn rows of the frozen token embedding matrix (the
+    usual prompt-tuning initialisation: prompts start on the scale of real tokens)."""
+    table = backbone.token_embeddings().detach().float().cpu()
+    n = 1
+    for s in shape[:-1]:
+        n *= s
+    idx = torch.randint(0, table.shape[0], (n,))
+    return torch.nn.Parameter(table[idx].reshape(shape).clone())

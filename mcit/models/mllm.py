@@ -1,0 +1,245 @@
+"""Frozen multimodal LLMs behind one wrapper, through transformers' own model classes.
+
+``MLLMBackbone`` turns instruction samples (an image and a LLaVA-style conversation) into batches
+through the checkpoint's own processor and chat template, builds the LLM's *input embeddings*
+(token embeddings with the projected image features written over the image tokens), and runs the
+frozen language model on embeddings that a method may have extended with prompts: a per-sample
+answer-token loss for training and batched greedy generation with the KV cache for evaluation.
+
+Prompts go after any left padding and before the first real token, so a sample's positions (and
+its answer) are the same whatever else is in its batch.
+
+Supported here: LLaVA / LLaVA-1.5 (``LlavaForConditionalGeneration``). The model is frozen and in
+eval mode; bf16 on GPU (``train.precision``), fp32 on CPU; optional 4-bit / 8-bit loading of the
+frozen weights through bitsandbytes.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from mcit.methods.base import Batch
+from mcit.models.vit import BackboneError
+from mcit.registry import BACKBONES
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def check_model_source(path: str) -> None:
+    """A local HF directory (config.json present) or, where the directory does not exist, a hub id."""
+    p = Path(path)
+    if p.exists():
+        if not (p / "config.json").is_file():
+            raise BackboneError(f"backbone path {path} has no config.json (not a transformers checkpoint directory)")
+        return
+    if not HUB_ID.match(path):
+        raise BackboneError(f"backbone path not found: {path}")
+
+
+def quantization_config(mode: str, dtype: torch.dtype) -> Any:
+    """BitsAndBytesConfig for a 4-bit (nf4, double quant) or 8-bit frozen backbone; a clear error where
+    bitsandbytes is missing or cannot run."""
+    if mode == "none":
+        return None
+    try:
+        import bitsandbytes  # noqa: F401
+        from transformers import BitsAndBytesConfig
+    except Exception as e:  # noqa: BLE001
+        raise BackboneError(f"backbone.quantization={mode} needs bitsandbytes, which cannot be imported here "
+                            f"({e.__class__.__name__}: {e})") from None
+    if mode == "4bit":
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                  bnb_4bit_compute_dtype=dtype)
+    return BitsAndBytesConfig(load_in_8bit=True)
+
+
+class MLLMBackbone(nn.Module):
+    """A frozen LLaVA-architecture model and its processor (registered as backbone kind ``llava``)."""
+
+    task_type = "generation"
+
+    def __init__(self, model: nn.Module, processor: Any, max_length: int = 2048) -> None:
+        super().__init__()
+        self.model = model
+        self.processor = processor
+        self.tokenizer = processor.tokenizer
+        self.max_length = max_length
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.model.eval()
+        cfg = model.config
+        self.image_token_id = int(cfg.image_token_index if hasattr(cfg, "image_token_index") else cfg.image_token_id)
+        self.hidden_size = int(cfg.text_config.hidden_size)
+        self.image_query_dim = int(cfg.vision_config.hidden_size)
+        self.text_query_dim = self.hidden_size
+
+    @classmethod
+    def from_path(cls, path: str, dtype: torch.dtype = torch.float32, quantization: str = "none",
+                  max_length: int = 2048) -> "MLLMBackbone":
+        from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+        check_model_source(path)
+        qc = quantization_config(quantization, dtype)
+        try:
+            processor = AutoProcessor.from_pretrained(path)
+            kwargs: dict[str, Any] = {"dtype": dtype}
+            if qc is not None:
+                kwargs["quantization_config"] = qc
+            model = LlavaForConditionalGeneration.from_pretrained(path, **kwargs)
+        except Exception as e:  # noqa: BLE001 - one line naming the path
+            raise BackboneError(f"cannot load LLaVA backbone from {path}: {str(e).splitlines()[0]}") from None
+        return cls(model, processor, max_length)
+
+    def train(self, mode: bool = True) -> "MLLMBackbone":  # frozen: always eval
+        return super().train(False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.get_input_embeddings().weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.get_input_embeddings().weight.device
+
+    def token_embeddings(self) -> torch.Tensor:
+        return self.model.get_input_embeddings().weight
+
+    # -- data -----------------------------------------------------------------------------------
+    def prompt_text(self, question: str) -> str:
+        """The user turn through the checkpoint's chat template, ending where the answer starts."""
+        q = question.replace("<image>", "").strip()
+        msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": q}]}]
+        return self.processor.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+
+    def answer_ids(self, answer: str) -> list[int]:
+        ids = self.tokenizer(" " + answer.strip(), add_special_tokens=False)["input_ids"]
+        return list(ids) + [int(self.tokenizer.eos_token_id)]
+
+    def make_collate(self, split: Any, task: int, *, train: bool, label_index: dict[int, int] | None = None
+                     ) -> Callable[[list[dict]], Batch]:
+        """Raw instruction samples -> Batch. Train: right padding, labels on the answer only (-100
+        elsewhere). Eval: the prompt alone, left padding, references in ``meta``."""
+        from mcit.data.instructions import decode_instruction
+
+        pad_id = int(self.tokenizer.pad_token_id)
+
+        def collate(samples: list[dict]) -> Batch:
+            ids_list, lab_list, pix, keys, meta = [], [], [], [], []
+            for s in samples:
+                image, rec, key = decode_instruction(s)
+                question, answer = rec["question"], rec["answer"]
+                enc = self.processor(text=[self.prompt_text(question)], images=[image], return_tensors="pt")
+                ids = enc["input_ids"][0].tolist()
+                if train:
+                    ans = self.answer_ids(answer)
+                    ids, labels = ids + ans, [-100] * len(ids) + ans
+                else:
+                    labels = [-100] * len(ids)
+                if len(ids) > self.max_length:
+                    raise ValueError(f"sample {key} in {getattr(split, 'directory', '?')}: {len(ids)} tokens "
+                                     f"> backbone.max_length {self.max_length}")
+                ids_list.append(ids)
+                lab_list.append(labels)
+                pix.append(enc["pixel_values"][0])
+                keys.append(key)
+                meta.append({"key": key, "question": question, "answer": answer,
+                             "answers": rec.get("answers") or [answer], **({"box": rec["box"]} if "box" in rec else {})})
+            L = max(len(x) for x in ids_list)
+            B = len(ids_list)
+            input_ids = torch.full((B, L), pad_id, dtype=torch.long)
+            attn = torch.zeros(B, L, dtype=torch.long)
+            labels = torch.full((B, L), -100, dtype=torch.long)
+            for i, (ids, lab) in enumerate(zip(ids_list, lab_list)):
+                n = len(ids)
+                sl = slice(0, n) if train else slice(L - n, L)  # right padding to train, left to generate
+                input_ids[i, sl] = torch.tensor(ids)
+                attn[i, sl] = 1
+                labels[i, sl] = torch.tensor(lab)
+            return Batch(torch.stack(pix), labels, torch.ones(B), task, keys,
+                         inputs={"input_ids": input_ids, "attention_mask": attn}, meta=meta)
+
+        return collate
+
+    # -- compute --------------------------------------------------------------------------------
+    def _vision(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(projected image features (B, N, d), pooled vision feature (B, dv)) from one tower pass."""
+        cfg = self.model.config
+        tower = self.model.model.vision_tower
+        out = tower(pixel_values.to(self.dtype), output_hidden_states=True)
+        layer = cfg.vision_feature_layer
+        if isinstance(layer, int):
+            hidden = out.hidden_states[layer]
+            if cfg.vision_feature_select_strategy == "default":
+                hidden = hidden[:, 1:]
+            feats = self.model.model.multi_modal_projector(hidden)
+        else:  # several layers: defer to transformers' own implementation
+            feats = torch.stack(list(self.model.model.get_image_features(pixel_values=pixel_values.to(self.dtype),
+                                                                          return_dict=True).pooler_output))
+        return feats, out.pooler_output
+
+    @torch.no_grad()
+    def input_embeddings(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The LLM's multimodal input embeddings (B, L, d) and the pooled image feature (B, dv)."""
+        ids = batch.inputs["input_ids"]
+        embeds = self.model.get_input_embeddings()(ids)
+        feats, pooled = self._vision(batch.pixel_values)
+        mask = ids == self.image_token_id
+        if int(mask.sum()) != feats.shape[0] * feats.shape[1]:
+            raise ValueError(f"batch {batch.keys[:3]}: {int(mask.sum())} image tokens for {feats.shape[0]}x"
+                             f"{feats.shape[1]} image features (processor and model config disagree)")
+        embeds = embeds.masked_scatter(mask.unsqueeze(-1), feats.reshape(-1, feats.shape[-1]).to(embeds.dtype))
+        return embeds, pooled
+
+    @torch.no_grad()
+    def text_query(self, batch: Batch, embeds: torch.Tensor) -> torch.Tensor:
+        """The instruction's text feature: mean of its frozen token embeddings (image tokens and padding
+        excluded). LLaVA has no text encoder of its own; the frozen LLM embeddings play that role."""
+        ids = batch.inputs["input_ids"]
+        m = (batch.inputs["attention_mask"].bool() & (ids != self.image_token_id)
+             & (batch.labels == -100)).to(embeds.dtype).unsqueeze(-1)
+        return (embeds * m).sum(1) / m.sum(1).clamp_min(1)
+
+    @staticmethod
+    def insert_prompts(embeds: torch.Tensor, attention_mask: torch.Tensor, prompts: torch.Tensor | None,
+                       labels: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Put ``prompts`` (B, P, d) right before each row's first real token (after left padding)."""
+        if prompts is None or prompts.shape[1] == 0:
+            return embeds, attention_mask, labels
+        B, P = prompts.shape[:2]
+        first = (attention_mask.cumsum(1) == 0).sum(1)  # number of leading pads per row
+        rows, masks, labs = [], [], []
+        one = attention_mask.new_ones(P)
+        for i in range(B):
+            f = int(first[i])
+            rows.append(torch.cat([embeds[i, :f], prompts[i].to(embeds.dtype), embeds[i, f:]]))
+            masks.append(torch.cat([attention_mask[i, :f], one, attention_mask[i, f:]]))
+            if labels is not None:
+                labs.append(torch.cat([labels[i, :f], labels.new_full((P,), -100), labels[i, f:]]))
+        return torch.stack(rows), torch.stack(masks), (torch.stack(labs) if labels is not None else None)
+
+    def lm_loss(self, embeds: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Per-sample mean cross-entropy over the answer tokens (B,)."""
+        out = self.model(inputs_embeds=embeds, attention_mask=attention_mask, use_cache=False)
+        logits = out.logits[:, :-1].float()
+        target = labels[:, 1:]
+        ce = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
+                                         ignore_index=-100, reduction="none").view(target.shape)
+        n = (target != -100).sum(1).clamp_min(1)
+        return ce.sum(1) / n
+
+    @torch.no_grad()
+    def generate(self, embeds: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int) -> list[str]:
+        """Batched greedy decoding with the KV cache; the decoded answers without special tokens."""
+        out = self.model.generate(inputs_embeds=embeds, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+                                  do_sample=False, num_beams=1, use_cache=True,
+                                  pad_token_id=int(self.tokenizer.pad_token_id),
+                                  eos_token_id=int(self.tokenizer.eos_token_id))
+        return [t.strip() for t in self.tokenizer.batch_decode(out, skip_special_tokens=True)]
+
+
+BACKBONES.register("llava")(MLLMBackbone)

@@ -1,0 +1,90 @@
+"""The project's own tiny LLaVA: tokenizer, processor and model built from config classes (no hub).
+
+The tokenizer is trained here with the ``tokenizers`` library on the embedded benchmark's text and
+wrapped as a ``PreTrainedTokenizerFast``; the processor is transformers' own ``LlavaProcessor``
+assembled from that tokenizer, a CLIP image processor built from its config and a LLaVA-1.5 style
+chat template. Saved with ``save_pretrained``, the directory loads with ``AutoProcessor`` and
+``LlavaForConditionalGeneration.from_pretrained`` exactly like a real checkpoint.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+SPECIAL = {"pad": "<pad>", "bos": "<s>", "eos": "</s>", "unk": "<unk>", "image": "<image>"}
+
+# LLaVA-1.5's conversation format ("USER: <image>\n... ASSISTANT: ..."), as a chat template over
+# transformers' message format (content = list of {"type": "image"} / {"type": "text", "text": ...}).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}USER: "
+    "{% for c in message['content'] %}{% if c['type'] == 'image' %}<image>\n"
+    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %} "
+    "{% else %}ASSISTANT: {% for c in message['content'] %}{% if c['type'] == 'text' %}{{ c['text'] }}"
+    "{% endif %}{% endfor %}</s>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
+
+
+def train_tokenizer(texts: list[str]) -> Any:
+    """A word-level tokenizer over ``texts`` with LLaVA's special tokens, as PreTrainedTokenizerFast."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(unk_token=SPECIAL["unk"]))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
+    specials = [SPECIAL[k] for k in ("pad", "bos", "eos", "unk", "image")]
+    tok.train_from_iterator(texts, trainers.WordLevelTrainer(special_tokens=specials, min_frequency=1))
+    bos = tok.token_to_id(SPECIAL["bos"])
+    tok.post_processor = processors.TemplateProcessing(single=f"{SPECIAL['bos']} $A", pair=f"{SPECIAL['bos']} $A $B",
+                                                       special_tokens=[(SPECIAL["bos"], bos)])
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=SPECIAL["bos"], eos_token=SPECIAL["eos"], unk_token=SPECIAL["unk"],
+        pad_token=SPECIAL["pad"], extra_special_tokens={"image_token": SPECIAL["image"]}, padding_side="right",
+        chat_template=CHAT_TEMPLATE)
+
+
+def build_processor(tokenizer: Any, image_size: int, patch_size: int) -> Any:
+    """transformers' LlavaProcessor over the trained tokenizer and a CLIP image processor."""
+    from transformers import LlavaProcessor
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    image_processor = CLIPImageProcessorPil(
+        size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size},
+        do_resize=True, do_center_crop=True, do_rescale=True, do_normalize=True,
+        image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5], do_convert_rgb=True)
+    return LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=patch_size,
+                          vision_feature_select_strategy="default", chat_template=CHAT_TEMPLATE,
+                          image_token=SPECIAL["image"], num_additional_image_tokens=1)
+
+
+def build_model(tokenizer: Any, *, image_size: int = 32, patch_size: int = 8, vision_hidden: int = 64,
+                vision_layers: int = 2, text_hidden: int = 128, text_layers: int = 3, heads: int = 4,
+                seed: int = 0) -> Any:
+    """A LlavaForConditionalGeneration (CLIP vision tower + Llama) from config classes."""
+    import torch
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    vocab = len(tokenizer)
+    cfg = LlavaConfig(
+        vision_config=CLIPVisionConfig(hidden_size=vision_hidden, intermediate_size=2 * vision_hidden,
+                                       num_hidden_layers=vision_layers, num_attention_heads=heads,
+                                       image_size=image_size, patch_size=patch_size),
+        text_config=LlamaConfig(vocab_size=vocab, hidden_size=text_hidden, intermediate_size=3 * text_hidden,
+                                num_hidden_layers=text_layers, num_attention_heads=heads, num_key_value_heads=heads,
+                                max_position_embeddings=256, pad_token_id=tokenizer.pad_token_id,
+                                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                                tie_word_embeddings=False),
+        image_token_index=tokenizer.convert_tokens_to_ids(SPECIAL["image"]),
+        image_seq_length=(image_size // patch_size) ** 2, vision_feature_layer=-1,
+        vision_feature_select_strategy="default", projector_hidden_act="gelu",
+    )
+    cfg.pad_token_id = tokenizer.pad_token_id
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(cfg)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.bos_token_id = tokenizer.bos_token_id
+    return model
