@@ -125,13 +125,14 @@ def _snapshot_masters(method: Method) -> dict[str, torch.Tensor]:
 
 
 def _project_updates(method: Method, old: dict[str, torch.Tensor]) -> None:
-    """Replace each update (new - old) by the method's projection of it, in the fp32 master weights."""
+    """Replace each update (new - old) by the method's projection of it, in the fp32 master weights
+    and in the copy the next forward reads (ZeRO-3: this rank's partition of it)."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_fp32_param
 
     for n, p in method.named_parameters():
         if n not in old:
             continue
-        full = safe_get_full_fp32_param(p)  # None without a ZeRO / bf16 master copy
+        full = safe_get_full_fp32_param(p)  # None without a ZeRO / bf16 master copy; collective at ZeRO-3
         kept = method.project_update(n, (full if full is not None else p).detach().float() - old[n])
         if kept is None:
             continue
@@ -139,7 +140,22 @@ def _project_updates(method: Method, old: dict[str, torch.Tensor]) -> None:
         if full is not None:
             safe_set_full_fp32_param(p, value)  # the optimizer's master copy
         with torch.no_grad():
-            p.data.copy_(value.to(p.dtype).view_as(p.data))  # the copy the next forward reads
+            if hasattr(p, "ds_tensor"):  # ZeRO-3: p.data is empty; write this rank's partition
+                part = p.ds_tensor
+                n_part = part.numel()
+                start = n_part * _z3_partition_index(p)
+                flat = value.reshape(-1)[start:start + n_part].to(part.dtype)
+                part.data.view(-1)[: flat.numel()].copy_(flat)
+            else:
+                p.data.copy_(value.to(p.dtype).view_as(p.data))
+
+
+def _z3_partition_index(p: torch.nn.Parameter) -> int:
+    """This rank's index in the group that partitions ``p`` (ZeRO-3)."""
+    import torch.distributed as tdist
+
+    group = getattr(p, "ds_process_group", None)
+    return tdist.get_rank(group=group) if tdist.is_initialized() else 0
 
 
 def consolidated_state(engine: Any, stage: int) -> dict[str, torch.Tensor]:
@@ -176,9 +192,6 @@ def setup_engine(cfg: RunConfig, method: Method, world: int) -> tuple[Any, int]:
         kwargs["model_parameters"] = params
     else:
         kwargs["optimizer"] = make_optimizer(cfg, params)
-    if stage == 3 and method.projects_updates:
-        raise RuntimeError(f"method {method.name} projects its updates; use ZeRO stage 0-2 "
-                           f"(train.deepspeed_config={cfg.train.deepspeed_config} is stage 3)")
     engine, _, _, _ = deepspeed.initialize(**kwargs)
     return engine, stage
 

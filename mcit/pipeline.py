@@ -48,6 +48,8 @@ class Plan:
     train: list[Split]
     test: list[Split]
     sequence: TaskSequence
+    scorers: list[str] | None = None  # instruction tasks: the scorer of each task
+    reference: Split | None = None  # data.reference, when the method needs it
 
 
 def preflight(cfg: RunConfig, base: Path | None = None) -> Plan:
@@ -55,6 +57,7 @@ def preflight(cfg: RunConfig, base: Path | None = None) -> Plan:
 
     Raises a one-line error (ConfigError / DataError / BackboneError) naming the file or key.
     """
+    from mcit.models.mllm import check_model_source
     from mcit.models.vit import check_checkpoint_dir
 
     base = base or Path.cwd()
@@ -65,10 +68,36 @@ def preflight(cfg: RunConfig, base: Path | None = None) -> Plan:
         build_ds_config(cfg, 1)
     except json.JSONDecodeError as e:
         raise ConfigError(f"train.deepspeed_config: {ds_path} is not valid JSON ({e})") from None
-    check_checkpoint_dir(cfg.backbone.path)
+    generative = cfg.backbone.kind != "vit"
+    if generative:
+        check_model_source(cfg.backbone.path)
+    else:
+        check_checkpoint_dir(cfg.backbone.path)
     specs = cfg.data.resolved_tasks(base)
     train = [open_split(s.train, cfg.data.verify) for s in specs]
     test = [open_split(s.test, cfg.data.verify) for s in specs]
+    for s, split in [(s, sp) for s, tr, te in zip(specs, train, test) for sp in (tr, te)]:
+        is_instr = split.manifest.get("kind") == "instruction"
+        if is_instr != generative:
+            raise ConfigError(f"data.tasks: task {s.name!r}: {split.directory} holds "
+                              f"{'instruction' if is_instr else 'classification'} samples, but backbone.kind "
+                              f"{cfg.backbone.kind} needs {'instruction' if generative else 'classification'} data")
+    scorers = None
+    if generative:
+        from mcit import scorers as S
+
+        scorers = [s.scorer or te.manifest.get("scorer") or "exact_match" for s, te in zip(specs, test)]
+        for s, name in zip(specs, scorers):
+            if name not in S.SCORERS:
+                raise ConfigError(f"data.tasks: task {s.name!r}: unknown scorer {name!r}; known: {', '.join(sorted(S.SCORERS))}")
+    reference = None
+    method_cls = METHODS.get(cfg.method.name)
+    if method_cls.reference_required(cfg.method.params()):
+        if cfg.data.reference is None:
+            raise ConfigError(f"data.reference: method {cfg.method.name} needs a split of the backbone's pre-training "
+                              f"data for its pre-trained subspace (set data.reference)")
+        ref = Path(cfg.data.reference)
+        reference = open_split(ref if ref.is_absolute() else (base / ref).resolve(), cfg.data.verify)
     for s, tr, te in zip(specs, train, test):
         extra = set(te.label_space) - set(tr.label_space)
         if extra:
@@ -77,7 +106,7 @@ def preflight(cfg: RunConfig, base: Path | None = None) -> Plan:
     sequence = TaskSequence.from_label_spaces(names, [tr.label_space for tr in train])
     run_dir = cfg.resolved_run_dir()
     check_run_dir(cfg, run_dir)
-    return Plan(cfg, run_dir, names, train, test, sequence)
+    return Plan(cfg, run_dir, names, train, test, sequence, scorers, reference)
 
 
 def check_run_dir(cfg: RunConfig, run_dir: Path) -> None:
@@ -143,8 +172,18 @@ class Pipeline:
         return rel
 
     # -- stages -------------------------------------------------------------------------------------
-    def _eval_row(self, desc: str, trained: int) -> dict[str, Any]:
+    def _eval_row(self, desc: str, trained: int, tag: str) -> dict[str, Any]:
         """Accuracy on every task after ``trained`` tasks (0 = zero-shot: every class allowed)."""
+        if self.plan.scorers is not None:
+            from mcit.evaluation import evaluate_generation
+
+            res = evaluate_generation(
+                self.method, self.plan.test, batch_size=self.cfg.eval.batch_size, policy=self.cfg.data.split,
+                collates=[self._collate(i, train=False) for i in range(len(self.plan.test))],
+                scorers=self.plan.scorers, max_new_tokens=self.cfg.eval.max_new_tokens,
+                answers_dir=self.run_dir / "eval" / "answers" / tag, progress=self.cfg.train.progress, desc=desc)
+            return {"score_sum": [c for c, _ in res], "total": [n for _, n in res],
+                    "acc": [100.0 * c / max(n, 1) for c, n in res], "scorers": self.plan.scorers}
         allowed = None
         if self.cfg.eval.mask_unseen_classes and trained > 0:
             allowed = torch.zeros(self.plan.sequence.num_classes, dtype=torch.bool)
@@ -159,7 +198,7 @@ class Pipeline:
                 "acc": [100.0 * c / max(n, 1) for c, n in res]}
 
     def stage_zero_shot(self) -> None:
-        row = self._eval_row("zero-shot eval", 0)
+        row = self._eval_row("zero-shot eval", 0, "zero_shot")
         if dist.is_main():
             write_json(self.run_dir / "eval" / "zero_shot.json", row)
         self._mark("zero_shot")
@@ -174,43 +213,62 @@ class Pipeline:
         self.method.after_task(t)
         self._mark(f"{t}/train", method_state=self._save_current(f"{t}/train"))
 
-    def stage_subspace(self, t: int) -> None:
-        """Stream the task's statistics on every rank, sum over ranks, finalize on rank 0, broadcast."""
+    def _stream_statistics(self, split: Split, collate: Any, t: int) -> None:
+        """Every rank streams its part of ``split`` through ``method.statistics``; the sums are
+        all-reduced, rank 0 finalizes (task ``t``, -1 = reference set) and broadcasts the state."""
         from mcit.data.loader import eval_batches
 
-        self.method.set_task(t)
         sums: dict[str, torch.Tensor] | None = None
-        has_stats = type(self.method).statistics is not Method.statistics
-        if has_stats:
-            with torch.no_grad():
-                for batch in eval_batches(self.plan.train[t], rank=dist.rank(), world=dist.world_size(),
-                                          batch_size=self.cfg.eval.batch_size, policy=self.cfg.data.split,
-                                          collate=self._collate(t, train=True)):
-                    stats = self.method.statistics(batch.to(dist.device()))
-                    if stats is None:
-                        continue
-                    if sums is None:
-                        sums = {k: v.detach().double().cpu().clone() for k, v in stats.items()}
-                    else:
-                        for k, v in stats.items():
-                            sums[k] += v.detach().double().cpu()
-            # Every rank must take part in the reductions, even one that saw no batch.
-            keys = dist.broadcast_object(sorted(sums) if sums is not None else None)
-            shapes = dist.broadcast_object({k: tuple(v.shape) for k, v in sums.items()} if sums else None)
-            if keys:
-                sums = {k: (sums[k] if sums and k in sums else torch.zeros(shapes[k], dtype=torch.float64))
-                        for k in keys}
-                for k in keys:
-                    dist.all_reduce_sum(sums[k])
-                if dist.is_main():
-                    self.method.finalize_statistics(sums, t)
-                state = dist.broadcast_object({k: v.cpu() for k, v in self.method.state_dict().items()}
-                                              if dist.is_main() else None)
-                self.method.load_state_dict(state)
+        with torch.no_grad():
+            for batch in eval_batches(split, rank=dist.rank(), world=dist.world_size(),
+                                      batch_size=self.cfg.eval.batch_size, policy=self.cfg.data.split,
+                                      collate=collate):
+                stats = self.method.statistics(batch.to(dist.device()))
+                if stats is None:
+                    continue
+                if sums is None:
+                    sums = {k: v.detach().double().cpu().clone() for k, v in stats.items()}
+                else:
+                    for k, v in stats.items():
+                        sums[k] += v.detach().double().cpu()
+        # Every rank must take part in the reductions, even one that saw no batch.
+        keys = dist.broadcast_object(sorted(sums) if sums is not None else None)
+        shapes = dist.broadcast_object({k: tuple(v.shape) for k, v in sums.items()} if sums else None)
+        if not keys:
+            return
+        sums = {k: (sums[k] if sums and k in sums else torch.zeros(shapes[k], dtype=torch.float64)) for k in keys}
+        for k in keys:
+            dist.all_reduce_sum(sums[k])
+        if dist.is_main():
+            self.method.finalize_statistics(sums, t)
+        state = dist.broadcast_object({k: v.cpu() for k, v in self.method.state_dict().items()}
+                                      if dist.is_main() else None)
+        self.method.load_state_dict(state)
+        # Every rank must now hold the same bases, bit for bit: check it rather than assume it.
+        digests = dist.gather_objects(state_digest(self.method.state_dict()))
+        if len(set(digests)) != 1:
+            raise RuntimeError(f"subspace stage of task {t}: the method state differs between ranks after the broadcast")
+        if dist.is_main():
+            report = self.method.subspace_report() if hasattr(self.method, "subspace_report") else {}
+            self.logger.log({"event": "subspace", "task": t, **report, "state_sha256_per_rank": digests,
+                             "time": time.time()})
+
+    def stage_reference(self) -> None:
+        """Statistics of data.reference before the first task (e.g. Fwd-Prompt's pre-trained subspace)."""
+        self.method.set_task(0)
+        split = self.plan.reference
+        self._stream_statistics(split, self._collate(0, train=True, split=split), -1)
+        self._mark("reference", method_state=self._save_current("reference"))
+
+    def stage_subspace(self, t: int) -> None:
+        """Stream the task's statistics on every rank, sum over ranks, finalize on rank 0, broadcast."""
+        self.method.set_task(t)
+        if type(self.method).statistics is not Method.statistics:
+            self._stream_statistics(self.plan.train[t], self._collate(t, train=True), t)
         self._mark(f"{t}/subspace", method_state=self._save_current(f"{t}/subspace"))
 
     def stage_eval(self, t: int) -> None:
-        row = self._eval_row(f"task {t} eval", t + 1)
+        row = self._eval_row(f"task {t} eval", t + 1, f"after_task_{t}")
         if dist.is_main():
             write_json(self.run_dir / "eval" / f"after_task_{t}.json", row)
         self._mark(f"{t}/eval")
@@ -268,18 +326,23 @@ class Pipeline:
         self.logger = JsonlLogger(self.run_dir / "logs" / "train.jsonl" if dist.is_main() else None,
                                   self.run_dir / "logs" / "tb")
         dtype = torch.bfloat16 if self.cfg.train.precision == "bf16" else torch.float32
-        self.backbone = load_backbone(self.cfg.backbone.kind, self.cfg.backbone.path, dtype).to(dist.device())
+        bb = self.cfg.backbone
+        options = {} if bb.kind == "vit" else {"quantization": bb.quantization, "max_length": bb.max_length}
+        self.backbone = load_backbone(bb.kind, bb.path, dtype, **options)
+        if bb.quantization == "none":  # bitsandbytes places quantized weights itself
+            self.backbone = self.backbone.to(dist.device())
         self.method = self._build_method().to(dist.device())
         if self.state.get("method_state"):
             self.method.load_state_dict(load_state(self.run_dir / self.state["method_state"]))
             self._say(f"resuming {self.run_dir}: {len(self.state['completed'])} stages done")
-        keys = (["zero_shot"] if self.cfg.eval.zero_shot else []) + [
+        keys = (["reference"] if self.plan.reference is not None else []) + (
+            ["zero_shot"] if self.cfg.eval.zero_shot else []) + [
             f"{t}/{s}" for t in range(len(self.plan.names)) for s in STAGES]
         for key in keys:
             if key in self.state["completed"]:
                 continue
-            if key == "zero_shot":
-                self.stage_zero_shot()
+            if key in ("zero_shot", "reference"):
+                getattr(self, f"stage_{key}")()
                 continue
             t, stage = key.split("/")
             getattr(self, f"stage_{stage}")(int(t))
@@ -294,6 +357,18 @@ class Pipeline:
         if self.logger:
             self.logger.close()
         return read_json(self.run_dir / "metrics.json")
+
+
+def state_digest(state: dict[str, torch.Tensor]) -> str:
+    """sha256 over a state dict's names, dtypes, shapes and bytes."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for k in sorted(state):
+        v = state[k].detach().cpu().contiguous()
+        h.update(f"{k}|{v.dtype}|{tuple(v.shape)}".encode())
+        h.update(v.reshape(-1).view(torch.uint8).numpy().tobytes() if v.numel() else b"")
+    return h.hexdigest()
 
 
 def summary_text(metrics: dict[str, Any], run_dir: Path) -> str:

@@ -80,3 +80,40 @@ def launch(args: list[str], launcher: str = "python", nproc: int = 1, timeout: i
         raise ValueError(launcher)
     return subprocess.run(cmd + args, cwd=ROOT, env=run_env(**env), capture_output=True, text=True,
                           timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def mcit_assets(tmp_path_factory) -> dict[str, Path]:
+    """A small embedded MCIT benchmark and a briefly instruction-tuned tiny LLaVA (seconds, not minutes)."""
+    from data_prep.pretrain_tiny_llava import pretrain
+    from data_prep.tiny_mcit import build
+
+    base = tmp_path_factory.mktemp("mcit_assets")
+    build(base / "tiny_mcit", seed=0, n_train=48, n_test=24, n_base=1200, n_base_test=48, shard_size=16)
+    pretrain(base / "tiny_mcit", base / "tiny_llava", epochs=2, batch_size=32, lr=3e-3, text_hidden=64,
+             text_layers=2, vision_hidden=32, vision_layers=1, progress=False)
+    return {"shards": base / "tiny_mcit", "backbone": base / "tiny_llava"}
+
+
+def mcit_config(assets: dict[str, Path], tmp: Path, name: str = "mcit", **sections) -> Path:
+    """A 2-task MCIT config on the tiny LLaVA; ``sections`` update top-level sections (dicts merged)."""
+    cfg = {
+        "name": name,
+        "run_dir": str(tmp / "runs" / name),
+        "seed": 0,
+        "backbone": {"kind": "llava", "path": str(assets["backbone"]), "tag": "tiny_test_llava"},
+        "data": {"root": str(assets["shards"]), "tasks": ["colour", "count"],
+                 "reference": str(assets["shards"] / "base" / "test")},
+        "method": {"name": "fwd_prompt", "pool_size": 4, "top_n": 2, "prompt_length": 2},
+        "train": {"epochs": 1, "batch_size": 8, "lr": 0.05, "checkpoint_every": 2, "log_every": 2,
+                  "progress": False, "deepspeed_config": "deepspeed_configs/zero2.json"},
+        "eval": {"batch_size": 16, "max_new_tokens": 3},
+    }
+    for k, v in sections.items():
+        if isinstance(v, dict) and isinstance(cfg.get(k), dict):
+            cfg[k] = {**cfg[k], **v}
+        else:
+            cfg[k] = v
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path

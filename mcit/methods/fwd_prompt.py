@@ -28,6 +28,13 @@
   without a numeric recipe in the text available to us; ``reuse_pretrained`` is our reading of it,
   and the thresholds are config options (defaults chosen on the embedded benchmark, see the note).
   Keys are not projected: they only route prompts and are pulled by the current task alone.
+* **Token normalisation** (``normalize_tokens``, default on, our choice). LLaVA's input embeddings mix
+  projected image features and text-token embeddings of very different norms (about 60 vs 0.4 in
+  the embedded tiny model; real LLaVA-1.5 shows the same kind of gap). Without normalisation a
+  couple of image-feature directions hold > 99.9% of the energy, any threshold picks 1-2
+  dimensions and the projection protects nothing; with unit-norm tokens every token counts once
+  and the core spaces have a useful size (the embedded demo: 6 pre-trained and 11-26 task dims of
+  128 at the defaults).
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ class FwdPromptParams(MethodParams):
     eps_task: float = Field(0.95, gt=0, le=1, description="energy kept in each old task's core space")
     eps_pretrained: float = Field(0.6, gt=0, le=1, description="energy of the pre-trained core space")
     combine: Literal["reuse_pretrained", "residual"] = "reuse_pretrained"
+    normalize_tokens: bool = Field(True, description="accumulate unit-norm token embeddings (see the docstring)")
     project: bool = Field(True, description="false: the same pool without projection (ablation)")
 
 
@@ -106,6 +114,8 @@ class FwdPrompt(InstructionMethod):
 
     def statistics(self, batch: Batch) -> dict[str, torch.Tensor]:
         embeds, _ = self.backbone.input_embeddings(batch)
+        if self.params.normalize_tokens:
+            embeds = torch.nn.functional.normalize(embeds.double(), dim=-1)
         cov, n = token_covariance(embeds, batch.inputs["attention_mask"] * batch.valid.unsqueeze(1).long())
         return {"cov": cov, "tokens": n}
 

@@ -1,0 +1,180 @@
+"""MCIT: scorers, streaming subspaces, the LLaVA wrapper's batches and generation, Fwd-Prompt's
+projected updates on 2 ranks (ZeRO-2 and ZeRO-3), and a 2-process ZeRO-3 task sequence."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, free_port, launch, mcit_config, run_env
+from mcit import scorers as S
+from mcit.subspace import energy_basis, project_out, token_covariance
+
+
+# -- scorers ----------------------------------------------------------------------------------------
+def test_scorers():
+    assert S.exact_match("Three.", {"answer": "3"}) == 1.0
+    assert S.exact_match("the red", {"answer": "red"}) == 1.0
+    assert S.exact_match("red circle", {"answer": "red"}) == 0.0
+    ten = ["yes"] * 2 + ["no"] * 8
+    assert S.vqa_accuracy("yes", {"answer": "no", "answers": ten}) == pytest.approx(
+        (8 * (2 / 3) + 2 * (1 / 3)) / 10)  # leave-one-out average of min(n/3, 1)
+    assert S.vqa_accuracy("no", {"answer": "no", "answers": ten}) == 1.0
+    assert S.multiple_choice("(B) a cat", {"answer": "B"}) == 1.0
+    assert S.multiple_choice("Answer: C", {"answer": "B"}) == 0.0
+    assert S.contains("it is a red circle", {"answer": "red"}) == 1.0
+    assert S.contains("reddish", {"answer": "red"}) == 0.0
+    assert S.grounding_iou("[0.1, 0.1, 0.5, 0.5]", {"answer": "", "box": [0.1, 0.1, 0.5, 0.6]}) == 1.0
+    assert S.grounding_iou("[0.1, 0.1, 0.3, 0.3]", {"answer": "", "box": [0.1, 0.1, 0.5, 0.6]}) == 0.0
+    with pytest.raises(KeyError):
+        S.get("bleu")
+
+
+# -- subspaces --------------------------------------------------------------------------------------
+def test_streamed_covariance_equals_one_svd_of_all_embeddings():
+    g = torch.Generator().manual_seed(0)
+    d = 24
+    mix = torch.randn(d, d, generator=g) * torch.logspace(0, -3, d)  # a decaying spectrum
+    x = torch.randn(3, 50, d, generator=g) @ mix.T
+    mask = torch.ones(3, 50)
+    mask[1, 40:] = 0
+    cov = sum(token_covariance(x[i : i + 1], mask[i : i + 1])[0] for i in range(3))
+    rows = x.reshape(-1, d)[mask.reshape(-1).bool()].double()
+    assert torch.allclose(cov, rows.T @ rows, rtol=1e-10, atol=1e-8)
+    U, s, _ = torch.linalg.svd(rows.T, full_matrices=False)
+    basis = energy_basis(cov, 0.95)
+    k = int((torch.cumsum(s**2, 0) / (s**2).sum() < 0.95).sum()) + 1
+    assert basis.shape[1] == k
+    assert torch.allclose(basis @ basis.T, U[:, :k] @ U[:, :k].T, atol=1e-6)  # same subspace
+    more = energy_basis(cov, 0.99, basis)  # only the missing energy, orthogonal to what exists
+    assert more.shape[1] > 0 and (basis.T @ more).abs().max() < 1e-8
+    assert energy_basis(cov, 0.9, basis).shape[1] == 0
+    delta = torch.randn(5, d, generator=g, dtype=torch.float64)
+    assert (project_out(delta, basis) @ basis).abs().max() < 1e-10
+
+
+# -- the LLaVA wrapper --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def llava(mcit_assets):
+    from mcit.data.shards import iter_samples, open_split
+    from mcit.models.mllm import MLLMBackbone
+
+    bb = MLLMBackbone.from_path(str(mcit_assets["backbone"]))
+    split = open_split(mcit_assets["shards"] / "count" / "test")
+    samples = list(iter_samples(split, 0, 1, policy="sample"))[:8]
+    return bb, split, samples
+
+
+def test_collate_trains_on_answer_tokens_only_and_pads_left_to_generate(llava):
+    bb, split, samples = llava
+    tr = bb.make_collate(split, 0, train=True)(samples)
+    for i, meta in enumerate(tr.meta):
+        target = tr.labels[i][tr.labels[i] != -100].tolist()
+        assert target == bb.answer_ids(meta["answer"])  # the answer and </s>, nothing of the prompt
+        assert tr.inputs["attention_mask"][i, 0] == 1  # right padding
+    assert int((tr.inputs["input_ids"] == bb.image_token_id).sum()) == len(samples) * bb.model.config.image_seq_length
+    ev = bb.make_collate(split, 0, train=False)(samples)
+    assert (ev.labels == -100).all() and (ev.inputs["attention_mask"][:, -1] == 1).all()  # left padding
+
+
+def test_generation_does_not_depend_on_the_batch(llava):
+    from mcit.methods.base import TaskSequence
+    from mcit.registry import METHODS
+
+    bb, split, samples = llava
+    cls = METHODS.get("fwd_prompt")
+    torch.manual_seed(0)
+    m = cls(cls.Params(pool_size=4, top_n=2, prompt_length=3), bb, TaskSequence.from_label_spaces(["c"], [[]]))
+    collate = bb.make_collate(split, 0, train=False)
+    together = m.generate(collate(samples), 4)
+    alone = [m.generate(collate([s]), 4)[0] for s in samples]
+    assert together == alone
+
+
+def test_lora_rebuild_reuses_injected_adapters(llava):
+    from mcit.methods.base import TaskSequence
+    from mcit.registry import METHODS
+
+    bb, split, samples = llava
+    cls = METHODS.get("lora")
+    seq = TaskSequence.from_label_spaces(["c"], [[]])
+    a = cls(cls.Params(r=2), bb, seq)
+    n = sum(p.numel() for p in a.trainable_parameters())
+    batch = bb.make_collate(split, 0, train=True)(samples[:4])
+    opt = torch.optim.Adam(a.trainable_parameters(), lr=0.01)
+    loss = a(batch).per_sample.mean()
+    loss.backward()
+    opt.step()
+    assert a.merged_delta_norm() > 0
+    b = cls(cls.Params(r=2), bb, seq)  # a rebuild (as after every stage): same adapters, re-initialised
+    assert sum(p.numel() for p in b.trainable_parameters()) == n and b.merged_delta_norm() == 0
+    b.load_state_dict(a.state_dict())
+    assert b.merged_delta_norm() == pytest.approx(a.merged_delta_norm())
+
+
+# -- projection on 2 ranks ------------------------------------------------------------------------------
+def _projection(mcit_assets, tmp_path, ds_config: str, project: bool) -> dict:
+    out = tmp_path / f"proj_{Path(ds_config).stem}_{int(project)}.json"
+    cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
+           str(ROOT / "tests" / "workers" / "fwd_projection.py"), str(mcit_assets["backbone"]),
+           str(mcit_assets["shards"]), ds_config, "1" if project else "0", str(out)]
+    r = subprocess.run(cmd, cwd=ROOT, env=run_env(), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("ds_config", ["deepspeed_configs/zero2.json", "deepspeed_configs/zero3.json"])
+def test_fwd_prompt_update_stays_out_of_old_task_space_on_two_ranks(mcit_assets, tmp_path, ds_config):
+    res = _projection(mcit_assets, tmp_path, ds_config, project=True)
+    assert res["world"] == 2 and res["update_norm"] > 1e-3
+    assert res["leak"] < 1e-5, res
+    assert res["working_vs_master"] < 1e-6, res
+
+
+def test_without_projection_the_update_leaks(mcit_assets, tmp_path):
+    res = _projection(mcit_assets, tmp_path, "deepspeed_configs/zero2.json", project=False)
+    assert res["leak"] > 0.05, res
+
+
+# -- the pipeline ------------------------------------------------------------------------------------------
+def test_two_process_zero3_sequence_of_the_tiny_llava(mcit_assets, tmp_path):
+    cfg = mcit_config(mcit_assets, tmp_path, "z3", train={"deepspeed_config": "deepspeed_configs/zero3.json"})
+    r = launch(["--config", str(cfg)], launcher="deepspeed", nproc=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = tmp_path / "runs" / "z3"
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert metrics["complete"] and len(metrics["acc_matrix"]) == 2 and metrics["zero_shot"] is not None
+    for tag in ("zero_shot", "after_task_0", "after_task_1"):
+        rows = [json.loads(x) for x in (run / "eval" / "answers" / tag / "0.jsonl").read_text().splitlines()]
+        assert len(rows) == 24 and {"prediction", "score", "answers"} <= set(rows[0])
+        # the saved answers rescore to the reported accuracy without the model
+        acc = 100 * sum(S.exact_match(x["prediction"], {"answer": x["answers"][0], "answers": x["answers"]})
+                        for x in rows) / len(rows)
+        row = metrics["zero_shot"] if tag == "zero_shot" else metrics["acc_matrix"][int(tag[-1])]
+        assert acc == pytest.approx(row[0])
+    events = [json.loads(x) for x in (run / "logs" / "train.jsonl").read_text().splitlines()]
+    subs = [e for e in events if e.get("event") == "subspace"]
+    assert [e["task"] for e in subs] == [-1, 0, 1]
+    for e in subs:  # the broadcast bases are bit-identical on both ranks
+        assert len(e["state_sha256_per_rank"]) == 2 and len(set(e["state_sha256_per_rank"])) == 1
+    assert subs[-1]["task_rank"] >= subs[-2]["task_rank"] > 0 and subs[0]["pretrained_rank"] > 0
+
+
+def test_bad_mcit_inputs_fail_fast_with_one_line(mcit_assets, assets, tmp_path):
+    cfg = mcit_config(mcit_assets, tmp_path, "noref", data={"reference": None})
+    r = launch(["--config", str(cfg)])
+    assert r.returncode == 2 and "data.reference" in r.stderr.strip().splitlines()[-1]
+    cfg = mcit_config(mcit_assets, tmp_path, "wrongdata", data={"root": str(assets["shards"]), "tasks": ["task0"]})
+    r = launch(["--config", str(cfg)])
+    assert r.returncode == 2 and "classification samples" in r.stderr.strip().splitlines()[-1]
+    cfg = mcit_config(mcit_assets, tmp_path, "badscorer", data={"tasks": [
+        {"name": "colour", "train": str(mcit_assets["shards"] / "colour" / "train"),
+         "test": str(mcit_assets["shards"] / "colour" / "test"), "scorer": "bleu"}]})
+    r = launch(["--config", str(cfg)])
+    assert r.returncode == 2 and "unknown scorer 'bleu'" in r.stderr
+    assert not (tmp_path / "runs").exists()
