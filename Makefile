@@ -4,9 +4,11 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 NPROC  ?= 2
-DEMO_CONFIGS ?= configs/digits_seq.yaml configs/digits_l2p.yaml
+DEMO_CONFIGS ?= configs/tiny_mcit_prompt_tuning.yaml configs/tiny_mcit_fwd_prompt.yaml configs/tiny_mcit_lora.yaml
+CIL_CONFIGS  ?= configs/digits_seq.yaml configs/digits_l2p.yaml
+RUN := PATH=$(abspath $(BIN)):$$PATH DS_ACCELERATOR=cpu CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1
 
-.PHONY: install data demo test bench clean
+.PHONY: install data data-cil demo demo-cil test bench clean
 
 install: $(VENV)/.installed
 
@@ -16,25 +18,39 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q --disable-pip-version-check -e ".[test]" torch==2.13.0
 	touch $@
 
-# The embedded benchmark's shards and the project's own pre-trained tiny ViT (both cached in data/).
+# The embedded MCIT benchmark's shards and the project's own instruction-tuned tiny LLaVA (cached in data/).
 data: install
-	$(BIN)/python -m data_prep.digits --out data/shards/digits
-	OMP_NUM_THREADS=$(NPROC) $(BIN)/python -m data_prep.pretrain_vit --out data/backbones/tiny_vit_procedural
+	$(BIN)/python -m data_prep.tiny_mcit --out data/shards/tiny_mcit
+	OMP_NUM_THREADS=$(NPROC) $(BIN)/python -m data_prep.pretrain_tiny_llava --shards data/shards/tiny_mcit \
+	  --out data/backbones/tiny_llava
 
-# The main job: the task sequence on 2 CPU processes for seq and for L2P, then both summaries.
+# The main job: the MCIT sequence on 2 CPU processes with sequential prompt tuning, Fwd-Prompt and
+# sequential LoRA, then one comparison table.
 demo: data
 	@for c in $(DEMO_CONFIGS); do \
 	  echo "== deepspeed --num_gpus $(NPROC) pipelines/run_task_sequence.py --config $$c"; \
-	  PATH=$(abspath $(BIN)):$$PATH DS_ACCELERATOR=cpu CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 \
-	    deepspeed --num_gpus $(NPROC) pipelines/run_task_sequence.py --config $$c || exit 1; \
+	  $(RUN) deepspeed --num_gpus $(NPROC) pipelines/run_task_sequence.py --config $$c || exit 1; \
 	done
 	$(BIN)/python -m mcit.report $(foreach c,$(DEMO_CONFIGS),runs/$(basename $(notdir $(c))))
+
+# The class-incremental demo: digits shards, the tiny ViT pre-trained on procedural shapes, seq and L2P.
+data-cil: install
+	$(BIN)/python -m data_prep.digits --out data/shards/digits
+	OMP_NUM_THREADS=$(NPROC) $(BIN)/python -m data_prep.pretrain_vit --out data/backbones/tiny_vit_procedural
+
+demo-cil: data-cil
+	@for c in $(CIL_CONFIGS); do \
+	  echo "== deepspeed --num_gpus $(NPROC) pipelines/run_task_sequence.py --config $$c"; \
+	  $(RUN) deepspeed --num_gpus $(NPROC) pipelines/run_task_sequence.py --config $$c || exit 1; \
+	done
+	$(BIN)/python -m mcit.report $(foreach c,$(CIL_CONFIGS),runs/$(basename $(notdir $(c))))
 
 test: install
 	PATH=$(abspath $(BIN)):$$PATH DS_ACCELERATOR=cpu CUDA_VISIBLE_DEVICES= $(BIN)/python -m pytest -q tests
 
-bench: data
+bench: data-cil data
 	PATH=$(abspath $(BIN)):$$PATH DS_ACCELERATOR=cpu CUDA_VISIBLE_DEVICES= $(BIN)/python bench/engine_throughput.py
+	PATH=$(abspath $(BIN)):$$PATH DS_ACCELERATOR=cpu CUDA_VISIBLE_DEVICES= $(BIN)/python bench/subspace_memory.py
 
 clean:
 	rm -rf runs

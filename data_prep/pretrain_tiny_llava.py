@@ -23,9 +23,10 @@ from pathlib import Path
 SETTINGS_FILE = "pretraining.json"
 
 
-def pretrain(shards: Path, out: Path, *, epochs: int = 6, batch_size: int = 32, lr: float = 2e-3,
-             text_hidden: int = 128, text_layers: int = 3, vision_hidden: int = 64, vision_layers: int = 2,
-             patch_size: int = 8, seed: int = 0, force: bool = False, progress: bool = True) -> dict:
+def pretrain(shards: Path, out: Path, *, epochs: int = 6, batch_size: int = 32, lr: float = 3e-3,
+             text_hidden: int = 128, text_layers: int = 3, vision_hidden: int = 64, vision_layers: int = 4,
+             patch_size: int = 8, vision_samples: int = 8000, vision_epochs: int = 6, seed: int = 0,
+             force: bool = False, progress: bool = True) -> dict:
     import torch
 
     from mcit.data import tiny_mcit as B
@@ -36,7 +37,8 @@ def pretrain(shards: Path, out: Path, *, epochs: int = 6, batch_size: int = 32, 
     from mcit.scorers import exact_match
 
     settings = dict(epochs=epochs, batch_size=batch_size, lr=lr, text_hidden=text_hidden, text_layers=text_layers,
-                    vision_hidden=vision_hidden, vision_layers=vision_layers, patch_size=patch_size, seed=seed,
+                    vision_hidden=vision_hidden, vision_layers=vision_layers, patch_size=patch_size,
+                    vision_samples=vision_samples, vision_epochs=vision_epochs, seed=seed,
                     data=json.loads((shards / "benchmark.json").read_text())["settings"])
     done = out / SETTINGS_FILE
     if done.is_file() and not force and json.loads(done.read_text()).get("settings") == settings:
@@ -49,12 +51,15 @@ def pretrain(shards: Path, out: Path, *, epochs: int = 6, batch_size: int = 32, 
     model = build_model(tokenizer, image_size=B.SIZE, patch_size=patch_size, vision_hidden=vision_hidden,
                         vision_layers=vision_layers, text_hidden=text_hidden, text_layers=text_layers, seed=seed)
     wrap = MLLMBackbone(model, processor)  # its collate is the one the pipeline uses
-    for p in model.parameters():
-        p.requires_grad_(True)
+    vision_acc = pretrain_vision(model, processor, n=vision_samples, epochs=vision_epochs, seed=seed,
+                                 progress=progress)
+    # Stage 2 (LLaVA-1.5's recipe): the vision tower stays frozen; projector and LLM are tuned.
+    for name, p in model.named_parameters():
+        p.requires_grad_(not name.startswith("model.vision_tower"))
     collate = wrap.make_collate(train, 0, train=True)
     samples = list(iter_samples(train, 0, 1, policy="sample"))
     steps = epochs * ((len(samples) + batch_size - 1) // batch_size)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
     bar = None
     if progress:
@@ -73,7 +78,7 @@ def pretrain(shards: Path, out: Path, *, epochs: int = 6, batch_size: int = 32, 
                          pixel_values=batch.pixel_values, labels=batch.labels)
             opt.zero_grad(set_to_none=True)
             out_.loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
             opt.step()
             sched.step()
             lv = float(out_.loss.detach())
@@ -95,6 +100,7 @@ def pretrain(shards: Path, out: Path, *, epochs: int = 6, batch_size: int = 32, 
         correct += sum(exact_match(p, m) for p, m in zip(preds, batch.meta))
         total += len(preds)
     info = {"settings": settings, "base_val_exact_match": correct / max(total, 1), "train_loss_ema": loss_ema,
+            "vision_attribute_val_acc": vision_acc,
             "parameters": sum(p.numel() for p in model.parameters()), "seconds": time.time() - t0}
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -108,18 +114,80 @@ def pretrain(shards: Path, out: Path, *, epochs: int = 6, batch_size: int = 32, 
     return info
 
 
+def pretrain_vision(model, processor, *, n: int, epochs: int, seed: int, lr: float = 2e-3, batch_size: int = 128,
+                    progress: bool = True) -> dict[str, float]:
+    """Stage 1: the CLIP vision tower learns the scenes' attributes (colour, shape, count, position,
+    digit) with linear heads on its [CLS] and mean patch features, standing in for a real
+    checkpoint's pre-trained CLIP. Returns held-out accuracy per attribute."""
+    import torch
+
+    from mcit.data import tiny_mcit as B
+
+    tower = model.model.vision_tower
+    images, labels = B.attribute_scenes(n + 1000, seed)
+    x = processor.image_processor(images, return_tensors="pt")["pixel_values"]
+    y = {k: torch.tensor(v) for k, v in labels.items()}
+    sizes = {"colour": len(B.COLOURS), "shape": len(B.SHAPES), "count": 4, "position": len(B.POSITIONS), "digit": 10}
+    width = 2 * tower.config.hidden_size
+    heads = torch.nn.ModuleDict({k: torch.nn.Linear(width, c) for k, c in sizes.items()})
+    params = list(tower.parameters()) + list(heads.parameters())
+    for p in tower.parameters():
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+    steps = epochs * ((n + batch_size - 1) // batch_size)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
+    g = torch.Generator().manual_seed(seed)
+
+    def features(px):
+        out = tower(px, output_hidden_states=True)
+        return torch.cat([out.pooler_output, out.hidden_states[-1][:, 1:].mean(1)], -1)
+
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=steps, desc="tiny CLIP vision tower pre-training", unit="step", dynamic_ncols=True,
+                   mininterval=0.5 if sys.stderr.isatty() else 10.0)
+    tower.train()
+    for _ in range(epochs):
+        order = torch.randperm(n, generator=g)
+        for i in range(0, n, batch_size):
+            idx = order[i:i + batch_size]
+            f = features(x[idx])
+            loss = sum(torch.nn.functional.cross_entropy(heads[k](f), y[k][idx], ignore_index=-100) for k in sizes)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{float(loss.detach()):.3f}", refresh=False)
+    if bar is not None:
+        bar.close()
+    tower.eval()
+    with torch.no_grad():
+        f = features(x[n:])
+        acc = {}
+        for k in sizes:
+            m = y[k][n:] != -100
+            acc[k] = float((heads[k](f).argmax(-1)[m] == y[k][n:][m]).float().mean())
+    return acc
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shards", type=Path, default=Path("data/shards/tiny_mcit"))
     ap.add_argument("--out", type=Path, default=Path("data/backbones/tiny_llava"))
     ap.add_argument("--epochs", type=int, default=6)
     ap.add_argument("--patch-size", type=int, default=8)
-    ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--vision-layers", type=int, default=2)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--vision-layers", type=int, default=4)
     ap.add_argument("--force", action="store_true")
     args = ap.parse_args(argv)
     info = pretrain(args.shards, args.out, epochs=args.epochs, patch_size=args.patch_size, lr=args.lr,
                     vision_layers=args.vision_layers, force=args.force)
+    print("tiny CLIP vision tower, held-out attribute accuracy: "
+          + ", ".join(f"{k} {100 * v:.1f}%" for k, v in info["vision_attribute_val_acc"].items()), file=sys.stderr)
     print(f"tiny LLaVA at {args.out}: {info['parameters']} parameters, base-mix held-out exact match "
           f"{100 * info['base_val_exact_match']:.1f}%, {info['seconds']:.0f} s", file=sys.stderr)
     return 0

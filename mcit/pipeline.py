@@ -198,7 +198,8 @@ class Pipeline:
                 "acc": [100.0 * c / max(n, 1) for c, n in res]}
 
     def stage_zero_shot(self) -> None:
-        row = self._eval_row("zero-shot eval", 0, "zero_shot")
+        with self.method.zero_shot():
+            row = self._eval_row("zero-shot eval", 0, "zero_shot")
         if dist.is_main():
             write_json(self.run_dir / "eval" / "zero_shot.json", row)
         self._mark("zero_shot")

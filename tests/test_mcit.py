@@ -178,3 +178,57 @@ def test_bad_mcit_inputs_fail_fast_with_one_line(mcit_assets, assets, tmp_path):
     r = launch(["--config", str(cfg)])
     assert r.returncode == 2 and "unknown scorer 'bleu'" in r.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_every_shipped_config_validates():
+    from mcit.config import load_config
+
+    names = sorted(p.name for p in (ROOT / "configs").glob("*.yaml"))
+    assert {"tiny_mcit_fwd_prompt.yaml", "coin_llava7b_fwd_prompt.yaml", "ucit_llava7b_fwd_prompt.yaml"} <= set(names)
+    for name in names:
+        cfg = load_config(ROOT / "configs" / name)
+        if cfg.backbone.kind == "llava":
+            from mcit import scorers
+
+            assert all(t.scorer in scorers.SCORERS for t in cfg.data.tasks if not isinstance(t, str) and t.scorer)
+
+
+def test_llava_15_7b_architecture_builds_without_weights():
+    from mcit.methods.base import TaskSequence
+    from mcit.models.mllm import build_empty
+    from mcit.registry import METHODS
+
+    bb = build_empty("llava-1.5-7b")
+    total = sum(p.numel() for p in bb.model.parameters())
+    assert 7.0e9 < total < 7.1e9 and all(p.is_meta for p in bb.model.parameters())
+    cls = METHODS.get("fwd_prompt")
+    m = cls(cls.Params(pool_size=10, top_n=2, prompt_length=4), bb, TaskSequence.from_label_spaces(["t"], [[]]))
+    assert sum(p.numel() for p in m.trainable_parameters()) == 10 * (4 * 4096 + 1024 + 4096)
+
+
+def test_llava_json_converter(tmp_path):
+    from PIL import Image
+
+    from mcit.data.instructions import decode_instruction
+    from mcit.data.shards import iter_samples, open_split
+
+    (tmp_path / "img").mkdir()
+    Image.new("RGB", (8, 8), (200, 0, 0)).save(tmp_path / "img" / "a.png")
+    items = [{"id": "q1", "image": "a.png", "answers": ["red"] * 10,
+              "conversations": [{"from": "human", "value": "<image>\nColour?"}, {"from": "gpt", "value": "red"},
+                                {"from": "human", "value": "Shape?"}, {"from": "gpt", "value": "square"}]}]
+    (tmp_path / "d.json").write_text(json.dumps(items))
+    cmd = [sys.executable, "-m", "data_prep.llava_json", "--json", str(tmp_path / "d.json"), "--images",
+           str(tmp_path / "img"), "--out", str(tmp_path / "split"), "--scorer", "vqa_accuracy"]
+    r = subprocess.run(cmd, cwd=ROOT, env=run_env(), capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    split = open_split(tmp_path / "split")
+    assert split.manifest["kind"] == "instruction" and split.manifest["scorer"] == "vqa_accuracy"
+    decoded = [decode_instruction(s) for s in iter_samples(split, 0, 1, policy="sample")]
+    assert [(d[1]["question"], d[1]["answer"]) for d in decoded] == [("<image>\nColour?", "red"), ("Shape?", "square")]
+    assert decoded[0][1]["answers"] == ["red"] * 10 and decoded[0][0].getpixel((0, 0)) == (200, 0, 0)
+    items[0]["image"] = "missing.png"
+    (tmp_path / "d.json").write_text(json.dumps(items))
+    cmd[cmd.index("--out") + 1] = str(tmp_path / "split2")
+    r = subprocess.run(cmd, cwd=ROOT, env=run_env(), capture_output=True, text=True)
+    assert r.returncode == 2 and "item 0 (id 'q1'): image not found" in r.stderr and not (tmp_path / "split2").exists()

@@ -3,13 +3,14 @@
 Every image is 32x32 RGB, drawn with PIL from a seed, or a real 8x8 handwritten digit from
 scikit-learn (upscaled and tinted). Two families of data come out of here:
 
-* the **base mix** the project instruction-tunes its tiny LLaVA on (its "pre-training"): a caption of
-  the whole scene ("a red circle on the left", "three blue squares", "the digit seven") and the
-  question "What shape is this?". The captions mention every attribute, so the pre-trained model
-  *knows* colours, counts, positions and digits, as a real MLLM knows much more than its tasks;
+* the **base mix** the project instruction-tunes its tiny LLaVA on (its "pre-training"): captions of
+  the whole scene ("a red circle on the left", "three blue squares", "the digit seven") and one
+  instruction per skill in its own phrasing (``BASE_QUESTIONS``), so the pre-trained model *has*
+  the skills (colours, counts, positions, digits), as a real MLLM has far more than its tasks;
 * the **continual tasks**, each a new instruction whose one-word answer needs the image: ``colour``,
-  ``count``, ``position``, ``digit``. The model never saw these questions, so zero-shot it answers
-  in the wrong form (a caption or a shape), and each task must be learned.
+  ``count``, ``position``, ``digit``. The model never saw these instructions, so zero-shot it mostly
+  answers the wrong thing (a shape, a caption), and each task must be learned; what a method can
+  reuse from pre-training is what forward transfer measures.
 
 Records are LLaVA-style conversations (``{"conversations": [{"from": "human", "value": "<image>\\n..."},
 {"from": "gpt", "value": ...}]}``), the format of CoIN and UCIT, so the same shard writer serves both.
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import io
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -32,6 +33,17 @@ POSITIONS = ["left", "right", "top", "bottom"]
 NUMBERS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 SIZE = 32
 
+# The base mix teaches every skill under its own phrasing; the continual tasks ask for the same
+# skills with instructions the model has never seen (as CoIN's tasks reuse an MLLM's skills with new
+# instructions and answer conventions), so zero-shot the model answers the wrong thing.
+BASE_QUESTIONS = {
+    "caption": "Describe the image.",
+    "shape": "What shape is this?",
+    "colour": "Name the colour of the object.",
+    "count": "Count the objects.",
+    "position": "On which side is the object?",
+    "digit": "Read the number.",
+}
 QUESTIONS = {
     "caption": "Describe the image.",
     "shape": "What shape is this?",
@@ -162,7 +174,6 @@ def task_samples(task: str, n: int, seed: int, *, train: bool) -> list[dict[str,
             s = digit_scene(rng, xs[j], int(ys[j]))
             out.append(record(f"{prefix}_{i:06d}", s, QUESTIONS["digit"], NUMBERS[s.digit]))
         return out
-    make: Callable[[], Scene]
     for i in range(n):
         if task == "colour":
             s = single_scene(rng) if rng.rand() < 0.5 else multi_scene(rng)
@@ -183,32 +194,72 @@ def task_samples(task: str, n: int, seed: int, *, train: bool) -> list[dict[str,
 
 
 def base_mix(n: int, seed: int, *, train: bool = True) -> list[dict[str, Any]]:
-    """The pre-training mix: captions of every scene family, and the shape question."""
+    """The pre-training mix: 40% captions of every scene family, 60% the base-phrased skill questions."""
     rng = np.random.RandomState(seed * 104729 + (0 if train else 1))
     xs, ys = _digits(train, seed)
     out = []
+
+    def digit() -> Scene:
+        j = rng.randint(len(xs))
+        return digit_scene(rng, xs[j], int(ys[j]))
+
     for i in range(n):
         u = rng.rand()
-        if u < 0.25:
-            s = single_scene(rng)
-        elif u < 0.5:
-            s = multi_scene(rng)
-        else:
-            s = None
-        if u >= 0.5 and u < 0.7:
-            j = rng.randint(len(xs))
-            s = digit_scene(rng, xs[j], int(ys[j]))
-        if s is None:
+        key = f"base_{i:06d}"
+        if u < 0.4:
+            v = rng.rand()
+            s = single_scene(rng) if v < 0.35 else multi_scene(rng) if v < 0.7 else digit()
+            out.append(record(key, s, BASE_QUESTIONS["caption"], caption(s)))
+            continue
+        skill = ["shape", "colour", "count", "position", "digit"][min(4, int((u - 0.4) / 0.12))]
+        if skill == "shape":
             s = single_scene(rng) if rng.rand() < 0.5 else multi_scene(rng)
-            out.append(record(f"base_{i:06d}", s, QUESTIONS["shape"], s.shape))
+            ans = s.shape
+        elif skill == "colour":
+            s = single_scene(rng) if rng.rand() < 0.5 else multi_scene(rng)
+            ans = s.colour
+        elif skill == "count":
+            s = multi_scene(rng)
+            ans = NUMBERS[s.count]
+        elif skill == "position":
+            s = single_scene(rng)
+            ans = s.position
         else:
-            out.append(record(f"base_{i:06d}", s, QUESTIONS["caption"], caption(s)))
+            s = digit()
+            ans = NUMBERS[s.digit]
+        out.append(record(key, s, BASE_QUESTIONS[skill], ans))
     return out
 
 
 def corpus() -> list[str]:
     """Every word the benchmark can ask or answer (the tiny tokenizer is trained on this)."""
-    words = [TEMPLATE_WORDS, "a the on digit", *QUESTIONS.values(), *COLOURS, *POSITIONS, *NUMBERS]
+    words = [TEMPLATE_WORDS, "a the on digit", *QUESTIONS.values(), *BASE_QUESTIONS.values(), *COLOURS, *POSITIONS,
+             *NUMBERS]
     for sh in SHAPES:
         words += [sh, sh + ("es" if sh == "cross" else "s")]
     return words
+
+
+def attribute_scenes(n: int, seed: int) -> tuple[list[Any], dict[str, list[int]]]:
+    """``n`` random scenes of every family with all their attributes as class indices (-100 where an
+    attribute does not apply): the supervision of the tiny vision tower's pre-training."""
+    rng = np.random.RandomState(seed * 7 + 12345)
+    xs, ys = _digits(True, seed)
+    images: list[Any] = []
+    labels: dict[str, list[int]] = {k: [] for k in ("colour", "shape", "count", "position", "digit")}
+    for _ in range(n):
+        v = rng.rand()
+        if v < 0.35:
+            s = single_scene(rng)
+        elif v < 0.7:
+            s = multi_scene(rng)
+        else:
+            j = rng.randint(len(xs))
+            s = digit_scene(rng, xs[j], int(ys[j]))
+        images.append(s.image)
+        labels["colour"].append(COLOURS_LIST.index(s.colour))
+        labels["shape"].append(SHAPES.index(s.shape) if s.shape in SHAPES else -100)
+        labels["count"].append(s.count - 1 if s.digit is None else -100)
+        labels["position"].append(POSITIONS.index(s.position) if s.position else -100)
+        labels["digit"].append(s.digit if s.digit is not None else -100)
+    return images, labels

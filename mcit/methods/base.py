@@ -19,8 +19,9 @@ resumed run rebuilds the method and loads the last committed state.
 from __future__ import annotations
 
 from abc import abstractmethod
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Iterator
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -205,6 +206,12 @@ class Method(nn.Module):
         return False
 
     # -- inference ---------------------------------------------------------------------------------
+    @contextmanager
+    def zero_shot(self) -> Iterator[None]:
+        """The state the zero-shot row is evaluated in (the forward-transfer baseline). Default: the
+        untrained method as built; MCIT methods override it to mean the pre-trained model alone."""
+        yield
+
     @staticmethod
     def restrict(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
         """Mask the logits of classes the evaluation protocol does not allow (see Batch)."""

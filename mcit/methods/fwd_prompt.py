@@ -57,7 +57,7 @@ class FwdPromptParams(MethodParams):
     top_n: int = Field(2, ge=1)
     prompt_length: int = Field(4, ge=1)
     key_loss_weight: float = Field(0.5, ge=0)
-    eps_task: float = Field(0.95, gt=0, le=1, description="energy kept in each old task's core space")
+    eps_task: float = Field(0.99, gt=0, le=1, description="energy kept in each old task's core space")
     eps_pretrained: float = Field(0.6, gt=0, le=1, description="energy of the pre-trained core space")
     combine: Literal["reuse_pretrained", "residual"] = "reuse_pretrained"
     normalize_tokens: bool = Field(True, description="accumulate unit-norm token embeddings (see the docstring)")
@@ -79,9 +79,9 @@ class FwdPrompt(InstructionMethod):
         self.image_keys = nn.Parameter(torch.empty(params.pool_size, backbone.image_query_dim).uniform_(-1, 1))
         self.text_keys = nn.Parameter(torch.empty(params.pool_size, backbone.text_query_dim).uniform_(-1, 1))
         # Fixed-size buffers (columns beyond the rank are zero), so a resumed run loads the same shapes.
-        self.register_buffer("task_basis", torch.zeros(d, d, dtype=torch.float64))
+        self.register_buffer("task_basis", torch.zeros(d, d))  # fp32: half the checkpoint of fp64
         self.register_buffer("task_rank", torch.zeros((), dtype=torch.long))
-        self.register_buffer("pre_basis", torch.zeros(d, d, dtype=torch.float64))
+        self.register_buffer("pre_basis", torch.zeros(d, d))
         self.register_buffer("pre_rank", torch.zeros((), dtype=torch.long))
 
     @classmethod

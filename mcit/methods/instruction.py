@@ -7,7 +7,8 @@ prompts, computes the answer-token loss and generates. ``predict`` (classificati
 
 from __future__ import annotations
 
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
 
@@ -26,9 +27,22 @@ class InstructionMethod(Method):
         """Prompt vectors (B, P, d) for each sample (or None) and extra outputs for ``loss``."""
         return None, {}
 
+    _bypass = False
+
+    @contextmanager
+    def zero_shot(self) -> Iterator[None]:
+        """Zero-shot = the frozen pre-trained MLLM with nothing of the method in its input, so every
+        method's forward transfer is measured against the same row (LoRA's untrained adapters are
+        zero, so the same holds for it without bypassing anything)."""
+        self._bypass = True
+        try:
+            yield
+        finally:
+            self._bypass = False
+
     def _inputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, Any]]:
         embeds, image_query = self.backbone.input_embeddings(batch)
-        prompts, extra = self.select_prompts(batch, embeds, image_query)
+        prompts, extra = (None, {}) if self._bypass else self.select_prompts(batch, embeds, image_query)
         e, m, lab = self.backbone.insert_prompts(embeds, batch.inputs["attention_mask"], prompts, batch.labels)
         return e, m, lab, extra
 
@@ -53,7 +67,10 @@ class InstructionMethod(Method):
 def init_from_vocab(backbone: Any, shape: tuple[int, ...]) -> torch.nn.Parameter:
     """Prompt vectors initialised from randomly drawn rows of the frozen token embedding matrix (the
     usual prompt-tuning initialisation: prompts start on the scale of real tokens)."""
-    table = backbone.token_embeddings().detach().float().cpu()
+    table = backbone.token_embeddings().detach()
+    if table.is_meta:  # an architecture built without weights (mcit.models.inspect): shapes only
+        return torch.nn.Parameter(torch.empty(shape, device="meta"))
+    table = table.float().cpu()
     n = 1
     for s in shape[:-1]:
         n *= s

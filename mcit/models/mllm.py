@@ -67,7 +67,7 @@ class MLLMBackbone(nn.Module):
         super().__init__()
         self.model = model
         self.processor = processor
-        self.tokenizer = processor.tokenizer
+        self.tokenizer = processor.tokenizer if processor is not None else None  # None: shapes-only use
         self.max_length = max_length
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -243,3 +243,36 @@ class MLLMBackbone(nn.Module):
 
 
 BACKBONES.register("llava")(MLLMBackbone)
+
+# llava-hf/llava-1.5-7b-hf's architecture (CLIP ViT-L/14-336 + Vicuna-7B), for building it without weights.
+LLAVA15_7B = {
+    "vision_config": {"hidden_size": 1024, "intermediate_size": 4096, "num_attention_heads": 16,
+                      "num_hidden_layers": 24, "image_size": 336, "patch_size": 14, "projection_dim": 768},
+    "text_config": {"hidden_size": 4096, "intermediate_size": 11008, "num_attention_heads": 32,
+                    "num_key_value_heads": 32, "num_hidden_layers": 32, "vocab_size": 32064,
+                    "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "tie_word_embeddings": False},
+    "image_token_index": 32000, "image_seq_length": 576, "projector_hidden_act": "gelu",
+    "vision_feature_layer": -2, "vision_feature_select_strategy": "default", "pad_token_id": 32001,
+}
+
+
+def llava_config(source: str | dict = "llava-1.5-7b") -> Any:
+    """A LlavaConfig from a checkpoint directory / config.json, a dict, or the built-in ``llava-1.5-7b``."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
+
+    if isinstance(source, str) and source != "llava-1.5-7b":
+        p = Path(source)
+        return LlavaConfig.from_pretrained(str(p.parent if p.name == "config.json" else p))
+    d = dict(LLAVA15_7B if source == "llava-1.5-7b" else source)
+    return LlavaConfig(vision_config=CLIPVisionConfig(**d.pop("vision_config")),
+                       text_config=LlamaConfig(**d.pop("text_config")), **d)
+
+
+def build_empty(source: str | dict = "llava-1.5-7b") -> MLLMBackbone:
+    """The full architecture on the meta device (accelerate's init_empty_weights): no weight memory."""
+    from accelerate import init_empty_weights
+    from transformers import LlavaForConditionalGeneration
+
+    with init_empty_weights():
+        model = LlavaForConditionalGeneration(llava_config(source))
+    return MLLMBackbone(model, None)

@@ -1,0 +1,87 @@
+"""LLaVA-1.5-7B with Fwd-Prompt: the architecture without weights (any machine), and where CUDA is
+present one ZeRO-2 bf16 training step of the real-size model (random weights) with throughput and memory.
+
+    python bench/llava7b_step.py                     # meta build: parameter counts
+    deepspeed --num_gpus 1 bench/llava7b_step.py --steps 5 --batch 4   # on a GPU: + timed steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--method", default="fwd_prompt", choices=["fwd_prompt", "prompt_tuning", "lora"])
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--text-tokens", type=int, default=64)
+    ap.add_argument("--local_rank", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    from mcit.methods.base import TaskSequence
+    from mcit.models.mllm import build_empty, llava_config
+    from mcit.registry import METHODS
+
+    seq = TaskSequence.from_label_spaces(["t"], [[]])
+    cls = METHODS.get(args.method)
+    empty = build_empty("llava-1.5-7b")
+    method = cls(cls.Params(), empty, seq)
+    n_backbone = sum(p.numel() for p in empty.model.parameters() if not any(p is q for q in method.parameters()))
+    n_train = sum(p.numel() for p in method.trainable_parameters())
+    print(f"LLaVA-1.5-7B architecture built on the meta device: {n_backbone / 1e9:.3f} B frozen parameters")
+    print(f"{args.method} ({cls.Params().model_dump()}): {n_train:,} trainable parameters "
+          f"({100 * n_train / n_backbone:.4f}% of the backbone)")
+    if not torch.cuda.is_available():
+        print("no CUDA device: the bf16 ZeRO-2 training step is skipped here")
+        return 0
+
+    from transformers import LlavaForConditionalGeneration
+
+    from mcit import distributed as dist
+    from mcit.config import validate_config
+    from mcit.engine import setup_engine, train_step
+    from mcit.methods.base import Batch
+    from mcit.models.mllm import MLLMBackbone
+
+    dist.init()
+    cfg = llava_config("llava-1.5-7b")
+    torch.manual_seed(0)
+    with torch.device(dist.device()):
+        model = LlavaForConditionalGeneration(cfg).to(torch.bfloat16)
+    bb = MLLMBackbone(model, None)
+    run = validate_config({"name": "b", "backbone": {"kind": "llava", "path": "unused"},
+                           "data": {"tasks": ["t"], "root": "."}, "method": {"name": args.method},
+                           "train": {"batch_size": args.batch, "lr": 0.03, "precision": "bf16",
+                                     "deepspeed_config": "deepspeed_configs/zero2.json"}})
+    method = cls(cls.Params(), bb, seq).to(dist.device())
+    engine, _ = setup_engine(run, method, dist.world_size())
+    B, n_img, T = args.batch, cfg.image_seq_length, args.text_tokens
+    ids = torch.randint(3, 32000, (B, 1 + n_img + T))
+    ids[:, 1:1 + n_img] = cfg.image_token_index
+    labels = torch.full_like(ids, -100)
+    labels[:, -8:] = ids[:, -8:]
+    batch = Batch(torch.randn(B, 3, 336, 336), labels, torch.ones(B), 0, [f"s{i}" for i in range(B)],
+                  inputs={"input_ids": ids, "attention_mask": torch.ones_like(ids)}).to(dist.device())
+    torch.cuda.reset_peak_memory_stats()
+    train_step(engine, batch, 1.0 / B)  # warm-up
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        train_step(engine, batch, 1.0 / B)
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    print(f"ZeRO-2 bf16 step, batch {B}, {ids.shape[1]} tokens + prompts: {args.steps * B / dt:.2f} samples/s, "
+          f"peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB on {torch.cuda.get_device_name()}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
