@@ -232,3 +232,48 @@ def test_llava_json_converter(tmp_path):
     cmd[cmd.index("--out") + 1] = str(tmp_path / "split2")
     r = subprocess.run(cmd, cwd=ROOT, env=run_env(), capture_output=True, text=True)
     assert r.returncode == 2 and "item 0 (id 'q1'): image not found" in r.stderr and not (tmp_path / "split2").exists()
+
+
+def test_instructblip_backbone_trains_prompts_and_generates_per_sample(mcit_assets, tmp_path):
+    from mcit.data import tiny_mcit as B
+    from mcit.data.shards import iter_samples, open_split
+    from mcit.methods.base import TaskSequence
+    from mcit.models.tiny_llava import build_instructblip, train_tokenizer
+    from mcit.models.vit import load_backbone
+    from mcit.registry import METHODS
+
+    model, proc = build_instructblip(train_tokenizer(B.corpus(), image_token_attribute=False))
+    model.save_pretrained(tmp_path / "iblip")
+    proc.save_pretrained(tmp_path / "iblip")
+    bb = load_backbone("instructblip", str(tmp_path / "iblip"))
+    assert bb.kind == "instructblip"
+    split = open_split(mcit_assets["shards"] / "colour" / "test")
+    samples = list(iter_samples(split, 0, 1, policy="sample"))[:5]
+    batch = bb.make_collate(split, 0, train=True)(samples)
+    assert int((batch.inputs["input_ids"] == bb.image_token_id).sum()) == 5 * model.config.num_query_tokens
+    cls = METHODS.get("fwd_prompt")
+    torch.manual_seed(0)
+    m = cls(cls.Params(pool_size=4, top_n=2, prompt_length=2), bb, TaskSequence.from_label_spaces(["c"], [[]]))
+    terms = m(batch)
+    terms.per_sample.mean().backward()
+    assert torch.isfinite(terms.per_sample).all() and m.prompts.grad.abs().sum() > 0
+    collate = bb.make_collate(split, 0, train=False)
+    assert m.generate(collate(samples), 3) == [m.generate(collate([s]), 3)[0] for s in samples]
+
+
+@pytest.mark.parametrize("mode,layer", [("4bit", "Linear4bit"), ("8bit", "Linear8bitLt")])
+def test_quantized_frozen_backbone(mcit_assets, mode, layer):
+    from mcit.data.shards import iter_samples, open_split
+    from mcit.methods.base import TaskSequence
+    from mcit.models.mllm import MLLMBackbone
+    from mcit.registry import METHODS
+
+    bb = MLLMBackbone.from_path(str(mcit_assets["backbone"]), quantization=mode)
+    assert type(bb.language_model.layers[0].self_attn.q_proj).__name__ == layer
+    split = open_split(mcit_assets["shards"] / "count" / "train")
+    batch = bb.make_collate(split, 0, train=True)(list(iter_samples(split, 0, 1, policy="sample"))[:4])
+    cls = METHODS.get("prompt_tuning")
+    m = cls(cls.Params(prompt_length=2), bb, TaskSequence.from_label_spaces(["c"], [[]]))
+    loss = m(batch).per_sample.mean()
+    loss.backward()
+    assert torch.isfinite(loss) and m.prompt.grad.abs().sum() > 0

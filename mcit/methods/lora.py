@@ -38,7 +38,7 @@ class Lora(InstructionMethod):
         from peft import LoraConfig, inject_adapter_in_model
         from peft.tuners.lora import LoraLayer
 
-        lm = backbone.model.model.language_model
+        lm = backbone.language_model
         if not any(isinstance(m, LoraLayer) for m in lm.modules()):
             cfg = LoraConfig(r=params.r, lora_alpha=params.alpha, lora_dropout=params.dropout,
                              target_modules=list(params.target_modules), bias="none")

@@ -9,9 +9,11 @@ answer-token loss for training and batched greedy generation with the KV cache f
 Prompts go after any left padding and before the first real token, so a sample's positions (and
 its answer) are the same whatever else is in its batch.
 
-Supported here: LLaVA / LLaVA-1.5 (``LlavaForConditionalGeneration``). The model is frozen and in
-eval mode; bf16 on GPU (``train.precision``), fp32 on CPU; optional 4-bit / 8-bit loading of the
-frozen weights through bitsandbytes.
+Supported here: LLaVA / LLaVA-1.5 (``LlavaForConditionalGeneration``, kind ``llava``) and InstructBLIP
+with a decoder-only LLM (``InstructBlipForConditionalGeneration``, kind ``instructblip``: the Q-Former
+reads the instruction, its query outputs fill the image tokens). The model is frozen and in eval
+mode; bf16 on GPU (``train.precision``), fp32 on CPU; optional 4-bit / 8-bit loading of the frozen
+weights through bitsandbytes.
 """
 
 from __future__ import annotations
@@ -63,8 +65,18 @@ class MLLMBackbone(nn.Module):
 
     task_type = "generation"
 
+    MODEL_CLASSES = {"llava": "LlavaForConditionalGeneration", "instructblip": "InstructBlipForConditionalGeneration"}
+
     def __init__(self, model: nn.Module, processor: Any, max_length: int = 2048) -> None:
         super().__init__()
+        kinds = {v: k for k, v in self.MODEL_CLASSES.items()}
+        if type(model).__name__ not in kinds:
+            raise BackboneError(f"unsupported multimodal model class {type(model).__name__}; "
+                                f"supported: {', '.join(self.MODEL_CLASSES.values())}")
+        self.kind = kinds[type(model).__name__]
+        if self.kind == "instructblip" and not model.config.use_decoder_only_language_model:
+            raise BackboneError("InstructBLIP with an encoder-decoder LLM (Flan-T5) is not supported: methods "
+                                "prepend prompts to a decoder-only LLM's input embeddings")
         self.model = model
         self.processor = processor
         self.tokenizer = processor.tokenizer if processor is not None else None  # None: shapes-only use
@@ -73,16 +85,19 @@ class MLLMBackbone(nn.Module):
             p.requires_grad_(False)
         self.model.eval()
         cfg = model.config
-        self.image_token_id = int(cfg.image_token_index if hasattr(cfg, "image_token_index") else cfg.image_token_id)
+        tok_id = getattr(cfg, "image_token_index", None)
+        self.image_token_id = int(tok_id if tok_id is not None else cfg.image_token_id)
         self.hidden_size = int(cfg.text_config.hidden_size)
         self.image_query_dim = int(cfg.vision_config.hidden_size)
         self.text_query_dim = self.hidden_size
 
     @classmethod
     def from_path(cls, path: str, dtype: torch.dtype = torch.float32, quantization: str = "none",
-                  max_length: int = 2048) -> "MLLMBackbone":
-        from transformers import AutoProcessor, LlavaForConditionalGeneration
+                  max_length: int = 2048, kind: str = "llava") -> "MLLMBackbone":
+        import transformers
+        from transformers import AutoProcessor
 
+        model_cls = getattr(transformers, cls.MODEL_CLASSES[kind])
         check_model_source(path)
         qc = quantization_config(quantization, dtype)
         try:
@@ -90,9 +105,9 @@ class MLLMBackbone(nn.Module):
             kwargs: dict[str, Any] = {"dtype": dtype}
             if qc is not None:
                 kwargs["quantization_config"] = qc
-            model = LlavaForConditionalGeneration.from_pretrained(path, **kwargs)
+            model = model_cls.from_pretrained(path, **kwargs)
         except Exception as e:  # noqa: BLE001 - one line naming the path
-            raise BackboneError(f"cannot load LLaVA backbone from {path}: {str(e).splitlines()[0]}") from None
+            raise BackboneError(f"cannot load {kind} backbone from {path}: {str(e).splitlines()[0]}") from None
         return cls(model, processor, max_length)
 
     def train(self, mode: bool = True) -> "MLLMBackbone":  # frozen: always eval
@@ -109,10 +124,23 @@ class MLLMBackbone(nn.Module):
     def token_embeddings(self) -> torch.Tensor:
         return self.model.get_input_embeddings().weight
 
+    @property
+    def language_model(self) -> nn.Module:
+        """The decoder-only LLM (where LoRA goes)."""
+        return self.model.model.language_model if self.kind == "llava" else self.model.language_model
+
+    @property
+    def _lm(self) -> nn.Module:
+        """What runs on input embeddings and returns logits / generates (LLaVA accepts embeddings alone;
+        InstructBLIP's wrapper would recompute image features, so its causal LM is called directly)."""
+        return self.model if self.kind == "llava" else self.model.language_model
+
     # -- data -----------------------------------------------------------------------------------
     def prompt_text(self, question: str) -> str:
         """The user turn through the checkpoint's chat template, ending where the answer starts."""
         q = question.replace("<image>", "").strip()
+        if getattr(self.processor, "chat_template", None) is None:  # InstructBLIP: the instruction itself
+            return q
         msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": q}]}]
         return self.processor.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
 
@@ -130,6 +158,7 @@ class MLLMBackbone(nn.Module):
 
         def collate(samples: list[dict]) -> Batch:
             ids_list, lab_list, pix, keys, meta = [], [], [], [], []
+            qf_ids: list[list[int]] = []
             for s in samples:
                 image, rec, key = decode_instruction(s)
                 question, answer = rec["question"], rec["answer"]
@@ -145,6 +174,8 @@ class MLLMBackbone(nn.Module):
                                      f"> backbone.max_length {self.max_length}")
                 ids_list.append(ids)
                 lab_list.append(labels)
+                if "qformer_input_ids" in enc:
+                    qf_ids.append(enc["qformer_input_ids"][0].tolist())
                 pix.append(enc["pixel_values"][0])
                 keys.append(key)
                 meta.append({"key": key, "question": question, "answer": answer,
@@ -160,15 +191,28 @@ class MLLMBackbone(nn.Module):
                 input_ids[i, sl] = torch.tensor(ids)
                 attn[i, sl] = 1
                 labels[i, sl] = torch.tensor(lab)
-            return Batch(torch.stack(pix), labels, torch.ones(B), task, keys,
-                         inputs={"input_ids": input_ids, "attention_mask": attn}, meta=meta)
+            inputs = {"input_ids": input_ids, "attention_mask": attn}
+            if qf_ids:  # the Q-Former's own copy of the instruction (InstructBLIP)
+                Lq = max(len(x) for x in qf_ids)
+                qf = torch.zeros(B, Lq, dtype=torch.long)
+                qm = torch.zeros(B, Lq, dtype=torch.long)
+                for i, x in enumerate(qf_ids):
+                    qf[i, : len(x)] = torch.tensor(x)
+                    qm[i, : len(x)] = 1
+                inputs.update(qformer_input_ids=qf, qformer_attention_mask=qm)
+            return Batch(torch.stack(pix), labels, torch.ones(B), task, keys, inputs=inputs, meta=meta)
 
         return collate
 
     # -- compute --------------------------------------------------------------------------------
-    def _vision(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(projected image features (B, N, d), pooled vision feature (B, dv)) from one tower pass."""
+    def _vision(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(image features in the LLM's space (B, N, d), pooled vision feature (B, dv)), one tower pass."""
         cfg = self.model.config
+        pixel_values = batch.pixel_values
+        if self.kind == "instructblip":
+            out = self.model.get_image_features(pixel_values.to(self.dtype), batch.inputs["qformer_input_ids"],
+                                                batch.inputs["qformer_attention_mask"], return_dict=True)
+            return out.pooler_output, out.vision_outputs.pooler_output
         tower = self.model.model.vision_tower
         out = tower(pixel_values.to(self.dtype), output_hidden_states=True)
         layer = cfg.vision_feature_layer
@@ -187,7 +231,7 @@ class MLLMBackbone(nn.Module):
         """The LLM's multimodal input embeddings (B, L, d) and the pooled image feature (B, dv)."""
         ids = batch.inputs["input_ids"]
         embeds = self.model.get_input_embeddings()(ids)
-        feats, pooled = self._vision(batch.pixel_values)
+        feats, pooled = self._vision(batch)
         mask = ids == self.image_token_id
         if int(mask.sum()) != feats.shape[0] * feats.shape[1]:
             raise ValueError(f"batch {batch.keys[:3]}: {int(mask.sum())} image tokens for {feats.shape[0]}x"
@@ -224,7 +268,7 @@ class MLLMBackbone(nn.Module):
 
     def lm_loss(self, embeds: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Per-sample mean cross-entropy over the answer tokens (B,)."""
-        out = self.model(inputs_embeds=embeds, attention_mask=attention_mask, use_cache=False)
+        out = self._lm(inputs_embeds=embeds, attention_mask=attention_mask, use_cache=False)
         logits = out.logits[:, :-1].float()
         target = labels[:, 1:]
         ce = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
@@ -235,7 +279,7 @@ class MLLMBackbone(nn.Module):
     @torch.no_grad()
     def generate(self, embeds: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int) -> list[str]:
         """Batched greedy decoding with the KV cache; the decoded answers without special tokens."""
-        out = self.model.generate(inputs_embeds=embeds, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+        out = self._lm.generate(inputs_embeds=embeds, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
                                   do_sample=False, num_beams=1, use_cache=True,
                                   pad_token_id=int(self.tokenizer.pad_token_id),
                                   eos_token_id=int(self.tokenizer.eos_token_id))
@@ -243,6 +287,18 @@ class MLLMBackbone(nn.Module):
 
 
 BACKBONES.register("llava")(MLLMBackbone)
+
+
+class InstructBlipBackbone(MLLMBackbone):
+    """Registered as backbone kind ``instructblip`` (same wrapper, InstructBLIP model class)."""
+
+    @classmethod
+    def from_path(cls, path: str, dtype: torch.dtype = torch.float32, quantization: str = "none",
+                  max_length: int = 2048, kind: str = "instructblip") -> "MLLMBackbone":
+        return MLLMBackbone.from_path(path, dtype, quantization, max_length, kind="instructblip")
+
+
+BACKBONES.register("instructblip")(InstructBlipBackbone)
 
 # llava-hf/llava-1.5-7b-hf's architecture (CLIP ViT-L/14-336 + Vicuna-7B), for building it without weights.
 LLAVA15_7B = {

@@ -26,8 +26,12 @@ CHAT_TEMPLATE = (
 )
 
 
-def train_tokenizer(texts: list[str]) -> Any:
-    """A word-level tokenizer over ``texts`` with LLaVA's special tokens, as PreTrainedTokenizerFast."""
+def train_tokenizer(texts: list[str], image_token_attribute: bool = True) -> Any:
+    """A word-level tokenizer over ``texts`` with LLaVA's special tokens, as PreTrainedTokenizerFast.
+
+    ``image_token_attribute=False`` leaves out the ``image_token`` attribute: InstructBlipProcessor
+    then registers ``<image>`` itself (transformers 5.23's processor expects that attribute to be an
+    AddedToken, and a tokenizer that declares it as a string breaks it)."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -42,8 +46,8 @@ def train_tokenizer(texts: list[str]) -> Any:
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=SPECIAL["bos"], eos_token=SPECIAL["eos"], unk_token=SPECIAL["unk"],
-        pad_token=SPECIAL["pad"], extra_special_tokens={"image_token": SPECIAL["image"]}, padding_side="right",
-        chat_template=CHAT_TEMPLATE)
+        pad_token=SPECIAL["pad"], padding_side="right", chat_template=CHAT_TEMPLATE if image_token_attribute else None,
+        **({"extra_special_tokens": {"image_token": SPECIAL["image"]}} if image_token_attribute else {}))
 
 
 def build_processor(tokenizer: Any, image_size: int, patch_size: int) -> Any:
@@ -88,3 +92,36 @@ def build_model(tokenizer: Any, *, image_size: int = 32, patch_size: int = 8, vi
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.bos_token_id = tokenizer.bos_token_id
     return model
+
+
+def build_instructblip(tokenizer: Any, *, image_size: int = 32, patch_size: int = 8, num_query_tokens: int = 8,
+                       vision_hidden: int = 64, text_hidden: int = 64, seed: int = 0) -> tuple[Any, Any]:
+    """A tiny InstructBLIP (BLIP-2 vision, Q-Former, Llama) and its InstructBlipProcessor, from config
+    classes. The Q-Former reads the instruction with the same trained tokenizer."""
+    import torch
+    from transformers import (InstructBlipConfig, InstructBlipForConditionalGeneration, InstructBlipProcessor,
+                              InstructBlipQFormerConfig, InstructBlipVisionConfig, LlamaConfig)
+    from transformers.models.blip.image_processing_pil_blip import BlipImageProcessorPil
+
+    image_token = tokenizer.convert_tokens_to_ids(SPECIAL["image"])
+    cfg = InstructBlipConfig(
+        vision_config=InstructBlipVisionConfig(hidden_size=vision_hidden, intermediate_size=2 * vision_hidden,
+                                               num_hidden_layers=2, num_attention_heads=4, image_size=image_size,
+                                               patch_size=patch_size).to_dict(),
+        qformer_config=InstructBlipQFormerConfig(vocab_size=len(tokenizer), hidden_size=vision_hidden,
+                                                 num_hidden_layers=2, num_attention_heads=4,
+                                                 intermediate_size=2 * vision_hidden, encoder_hidden_size=vision_hidden,
+                                                 pad_token_id=tokenizer.pad_token_id).to_dict(),
+        text_config=LlamaConfig(vocab_size=len(tokenizer), hidden_size=text_hidden, intermediate_size=2 * text_hidden,
+                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                                max_position_embeddings=256, pad_token_id=tokenizer.pad_token_id,
+                                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id).to_dict(),
+        num_query_tokens=num_query_tokens, image_token_index=image_token,
+    )
+    torch.manual_seed(seed)
+    model = InstructBlipForConditionalGeneration(cfg)
+    image_processor = BlipImageProcessorPil(size={"height": image_size, "width": image_size},
+                                            image_mean=[0.5] * 3, image_std=[0.5] * 3, do_convert_rgb=True)
+    processor = InstructBlipProcessor(image_processor=image_processor, tokenizer=tokenizer, qformer_tokenizer=tokenizer,
+                                      num_query_tokens=num_query_tokens)
+    return model, processor
