@@ -277,3 +277,23 @@ def test_quantized_frozen_backbone(mcit_assets, mode, layer):
     loss = m(batch).per_sample.mean()
     loss.backward()
     assert torch.isfinite(loss) and m.prompt.grad.abs().sum() > 0
+
+
+def test_killed_mcit_run_resumes_to_identical_answers(mcit_assets, tmp_path):
+    ref = mcit_config(mcit_assets, tmp_path, "ref", train={"checkpoint_every": 1})
+    r = launch(["--config", str(ref)], launcher="deepspeed", nproc=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    cfg = mcit_config(mcit_assets, tmp_path, "killed", train={"checkpoint_every": 1})
+    r = launch(["--config", str(cfg)], launcher="deepspeed", nproc=2, MCIT_FAULT_AT="1:2")
+    assert r.returncode != 0
+    killed = tmp_path / "runs" / "killed"
+    state = json.loads((killed / "state.json").read_text())
+    assert "reference" in state["completed"] and "0/commit" in state["completed"] and "1/train" not in state["completed"]
+    r = launch(["--config", str(cfg)], launcher="deepspeed", nproc=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads((killed / "metrics.json").read_text())
+    want = json.loads((tmp_path / "runs" / "ref" / "metrics.json").read_text())
+    assert got["acc_matrix"] == want["acc_matrix"] and got["zero_shot"] == want["zero_shot"]
+    for task in ("0", "1"):
+        a = (killed / "eval" / "answers" / "after_task_1" / f"{task}.jsonl").read_text()
+        assert a == (tmp_path / "runs" / "ref" / "eval" / "answers" / "after_task_1" / f"{task}.jsonl").read_text()
