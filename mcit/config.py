@@ -28,7 +28,7 @@ class BackboneConfig(_Strict):
     """The frozen pre-trained model. ``path`` is a local directory in HF format (``config.json``), or a
     hub id (``org/name``) where the machine has network."""
 
-    kind: Literal["vit", "llava", "instructblip"] = "vit"
+    kind: Literal["vit", "llava", "instructblip", "qwen2_vl"] = "vit"
     path: str
     tag: str = Field("local", description="free-form name recorded in the run's report")
     quantization: Literal["none", "4bit", "8bit"] = Field(

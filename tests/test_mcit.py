@@ -297,3 +297,40 @@ def test_killed_mcit_run_resumes_to_identical_answers(mcit_assets, tmp_path):
     for task in ("0", "1"):
         a = (killed / "eval" / "answers" / "after_task_1" / f"{task}.jsonl").read_text()
         assert a == (tmp_path / "runs" / "ref" / "eval" / "answers" / "after_task_1" / f"{task}.jsonl").read_text()
+
+
+def test_qwen2_vl_backbone_mrope_prompts_and_own_greedy_loop(mcit_assets, tmp_path):
+    from mcit.data import tiny_mcit as B
+    from mcit.data.shards import iter_samples, open_split
+    from mcit.methods.base import TaskSequence
+    from mcit.models.tiny_llava import build_qwen2_vl, train_tokenizer
+    from mcit.models.vit import load_backbone
+    from mcit.registry import METHODS
+
+    model, proc = build_qwen2_vl(train_tokenizer(B.corpus()))
+    model.save_pretrained(tmp_path / "qwen")
+    proc.save_pretrained(tmp_path / "qwen")
+    bb = load_backbone("qwen2_vl", str(tmp_path / "qwen"))
+    split = open_split(mcit_assets["shards"] / "colour" / "test")
+    samples = list(iter_samples(split, 0, 1, policy="sample"))[:5]
+    ev = bb.make_collate(split, 0, train=False)(samples[:3])
+    pos = bb.positions(ev)
+    img = ev.inputs["input_ids"][0] == bb.image_token_id
+    assert pos.shape[0] == 3 and len(set(pos[1, 0][img].tolist())) > 1  # 2-D positions on the image grid
+    # Without prompts, the wrapper's greedy loop with explicit positions equals transformers' generate.
+    e, _ = bb.input_embeddings(ev)
+    mine = bb.generate(e, ev.inputs["attention_mask"], 4, pos)
+    ids = ev.inputs["input_ids"]
+    hf = bb.model.generate(input_ids=ids, attention_mask=ev.inputs["attention_mask"],
+                           pixel_values=torch.cat([ev.pixel_values[i] for i in range(3)]),
+                           image_grid_thw=ev.inputs["image_grid_thw"], mm_token_type_ids=(ids == bb.image_token_id).int(),
+                           max_new_tokens=4, do_sample=False)
+    assert mine == [t.strip() for t in bb.tokenizer.batch_decode(hf[:, ids.shape[1]:], skip_special_tokens=True)]
+    cls = METHODS.get("fwd_prompt")
+    torch.manual_seed(0)
+    m = cls(cls.Params(pool_size=4, top_n=2, prompt_length=2), bb, TaskSequence.from_label_spaces(["c"], [[]]))
+    terms = m(bb.make_collate(split, 0, train=True)(samples))
+    terms.per_sample.mean().backward()
+    assert torch.isfinite(terms.per_sample).all() and m.prompts.grad.abs().sum() > 0
+    collate = bb.make_collate(split, 0, train=False)
+    assert m.generate(collate(samples), 3) == [m.generate(collate([s]), 3)[0] for s in samples]

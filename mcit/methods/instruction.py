@@ -20,7 +20,7 @@ class InstructionMethod(Method):
 
     def _check_backbone(self) -> None:
         if getattr(self.backbone, "task_type", None) != "generation":
-            raise TypeError(f"method {self.name} tunes a multimodal LLM; backbone.kind must be llava or instructblip")
+            raise TypeError(f"method {self.name} tunes a multimodal LLM; backbone.kind must be llava, instructblip or qwen2_vl")
 
     def select_prompts(self, batch: Batch, embeds: torch.Tensor, image_query: torch.Tensor
                        ) -> tuple[torch.Tensor | None, dict[str, Any]]:
@@ -40,15 +40,16 @@ class InstructionMethod(Method):
         finally:
             self._bypass = False
 
-    def _inputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, Any]]:
+    def _inputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any, dict[str, Any]]:
         embeds, image_query = self.backbone.input_embeddings(batch)
         prompts, extra = (None, {}) if self._bypass else self.select_prompts(batch, embeds, image_query)
-        e, m, lab = self.backbone.insert_prompts(embeds, batch.inputs["attention_mask"], prompts, batch.labels)
-        return e, m, lab, extra
+        e, m, lab, pos = self.backbone.insert_prompts(embeds, batch.inputs["attention_mask"], prompts, batch.labels,
+                                                      self.backbone.positions(batch))
+        return e, m, lab, pos, extra
 
     def train_outputs(self, batch: Batch) -> dict[str, Any]:
-        e, m, lab, extra = self._inputs(batch)
-        return {"lm_loss": self.backbone.lm_loss(e, m, lab), **extra}
+        e, m, lab, pos, extra = self._inputs(batch)
+        return {"lm_loss": self.backbone.lm_loss(e, m, lab, pos), **extra}
 
     def loss(self, batch: Batch, outputs: dict[str, Any]) -> LossTerms:
         lm = outputs["lm_loss"]
@@ -57,8 +58,8 @@ class InstructionMethod(Method):
     @torch.no_grad()
     def generate(self, batch: Batch, max_new_tokens: int) -> list[str]:
         """Greedy answers, one independent decision per sample."""
-        e, m, _, _ = self._inputs(batch)
-        return self.backbone.generate(e, m, max_new_tokens)
+        e, m, _, pos, _ = self._inputs(batch)
+        return self.backbone.generate(e, m, max_new_tokens, pos)
 
     def predict(self, batch: Batch) -> torch.Tensor:
         raise TypeError(f"method {self.name} generates answers; it has no class prediction")

@@ -65,7 +65,8 @@ class MLLMBackbone(nn.Module):
 
     task_type = "generation"
 
-    MODEL_CLASSES = {"llava": "LlavaForConditionalGeneration", "instructblip": "InstructBlipForConditionalGeneration"}
+    MODEL_CLASSES = {"llava": "LlavaForConditionalGeneration", "instructblip": "InstructBlipForConditionalGeneration",
+                     "qwen2_vl": "Qwen2VLForConditionalGeneration"}
 
     def __init__(self, model: nn.Module, processor: Any, max_length: int = 2048) -> None:
         super().__init__()
@@ -88,7 +89,8 @@ class MLLMBackbone(nn.Module):
         tok_id = getattr(cfg, "image_token_index", None)
         self.image_token_id = int(tok_id if tok_id is not None else cfg.image_token_id)
         self.hidden_size = int(cfg.text_config.hidden_size)
-        self.image_query_dim = int(cfg.vision_config.hidden_size)
+        # Qwen2-VL's vision tower has no [CLS]: its query is the mean merged image token (LLM width).
+        self.image_query_dim = self.hidden_size if self.kind == "qwen2_vl" else int(cfg.vision_config.hidden_size)
         self.text_query_dim = self.hidden_size
 
     @classmethod
@@ -101,7 +103,12 @@ class MLLMBackbone(nn.Module):
         check_model_source(path)
         qc = quantization_config(quantization, dtype)
         try:
-            processor = AutoProcessor.from_pretrained(path)
+            try:
+                processor = AutoProcessor.from_pretrained(path)
+            except Exception:  # noqa: BLE001
+                if kind != "qwen2_vl":
+                    raise
+                processor = ImageTokenProcessor.from_pretrained(path)  # no torchvision: no video processor
             kwargs: dict[str, Any] = {"dtype": dtype}
             if qc is not None:
                 kwargs["quantization_config"] = qc
@@ -127,13 +134,13 @@ class MLLMBackbone(nn.Module):
     @property
     def language_model(self) -> nn.Module:
         """The decoder-only LLM (where LoRA goes)."""
-        return self.model.model.language_model if self.kind == "llava" else self.model.language_model
+        return self.model.language_model if self.kind == "instructblip" else self.model.model.language_model
 
     @property
     def _lm(self) -> nn.Module:
         """What runs on input embeddings and returns logits / generates (LLaVA accepts embeddings alone;
         InstructBLIP's wrapper would recompute image features, so its causal LM is called directly)."""
-        return self.model if self.kind == "llava" else self.model.language_model
+        return self.model.language_model if self.kind == "instructblip" else self.model
 
     # -- data -----------------------------------------------------------------------------------
     def prompt_text(self, question: str) -> str:
@@ -159,6 +166,7 @@ class MLLMBackbone(nn.Module):
         def collate(samples: list[dict]) -> Batch:
             ids_list, lab_list, pix, keys, meta = [], [], [], [], []
             qf_ids: list[list[int]] = []
+            grids: list[torch.Tensor] = []
             for s in samples:
                 image, rec, key = decode_instruction(s)
                 question, answer = rec["question"], rec["answer"]
@@ -176,7 +184,11 @@ class MLLMBackbone(nn.Module):
                 lab_list.append(labels)
                 if "qformer_input_ids" in enc:
                     qf_ids.append(enc["qformer_input_ids"][0].tolist())
-                pix.append(enc["pixel_values"][0])
+                if "image_grid_thw" in enc:  # Qwen2-VL: pixel_values are this image's flattened patches
+                    grids.append(enc["image_grid_thw"][0])
+                    pix.append(enc["pixel_values"])
+                else:
+                    pix.append(enc["pixel_values"][0])
                 keys.append(key)
                 meta.append({"key": key, "question": question, "answer": answer,
                              "answers": rec.get("answers") or [answer], **({"box": rec["box"]} if "box" in rec else {})})
@@ -200,6 +212,10 @@ class MLLMBackbone(nn.Module):
                     qf[i, : len(x)] = torch.tensor(x)
                     qm[i, : len(x)] = 1
                 inputs.update(qformer_input_ids=qf, qformer_attention_mask=qm)
+            if grids:  # patches padded to the longest image; image_grid_thw says how many are real
+                n = max(p.shape[0] for p in pix)
+                pix = [torch.cat([p, p.new_zeros(n - p.shape[0], p.shape[1])]) for p in pix]
+                inputs["image_grid_thw"] = torch.stack(grids)
             return Batch(torch.stack(pix), labels, torch.ones(B), task, keys, inputs=inputs, meta=meta)
 
         return collate
@@ -209,6 +225,12 @@ class MLLMBackbone(nn.Module):
         """(image features in the LLM's space (B, N, d), pooled vision feature (B, dv)), one tower pass."""
         cfg = self.model.config
         pixel_values = batch.pixel_values
+        if self.kind == "qwen2_vl":
+            grid = batch.inputs["image_grid_thw"]
+            counts = grid.prod(-1).tolist()
+            flat = torch.cat([pixel_values[i, :c] for i, c in enumerate(counts)]).to(self.dtype)
+            parts = self.model.model.get_image_features(flat, grid, return_dict=True).pooler_output
+            return torch.cat(list(parts)), torch.stack([p.mean(0) for p in parts])
         if self.kind == "instructblip":
             out = self.model.get_image_features(pixel_values.to(self.dtype), batch.inputs["qformer_input_ids"],
                                                 batch.inputs["qformer_attention_mask"], return_dict=True)
@@ -233,9 +255,10 @@ class MLLMBackbone(nn.Module):
         embeds = self.model.get_input_embeddings()(ids)
         feats, pooled = self._vision(batch)
         mask = ids == self.image_token_id
-        if int(mask.sum()) != feats.shape[0] * feats.shape[1]:
-            raise ValueError(f"batch {batch.keys[:3]}: {int(mask.sum())} image tokens for {feats.shape[0]}x"
-                             f"{feats.shape[1]} image features (processor and model config disagree)")
+        n_feats = feats.numel() // feats.shape[-1]
+        if int(mask.sum()) != n_feats:
+            raise ValueError(f"batch {batch.keys[:3]}: {int(mask.sum())} image tokens for {n_feats} image features "
+                             f"(processor and model config disagree)")
         embeds = embeds.masked_scatter(mask.unsqueeze(-1), feats.reshape(-1, feats.shape[-1]).to(embeds.dtype))
         return embeds, pooled
 
@@ -248,15 +271,30 @@ class MLLMBackbone(nn.Module):
              & (batch.labels == -100)).to(embeds.dtype).unsqueeze(-1)
         return (embeds * m).sum(1) / m.sum(1).clamp_min(1)
 
+    @torch.no_grad()
+    def positions(self, batch: Batch) -> torch.Tensor | None:
+        """Qwen2-VL's 3-D M-RoPE positions (3, B, L) of the batch's tokens; None where the model's
+        default positions apply."""
+        if self.kind != "qwen2_vl":
+            return None
+        ids = batch.inputs["input_ids"]
+        pos, _ = self.model.model.get_rope_index(ids, (ids == self.image_token_id).int(),
+                                                 image_grid_thw=batch.inputs["image_grid_thw"],
+                                                 attention_mask=batch.inputs["attention_mask"])
+        return pos
+
     @staticmethod
     def insert_prompts(embeds: torch.Tensor, attention_mask: torch.Tensor, prompts: torch.Tensor | None,
-                       labels: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Put ``prompts`` (B, P, d) right before each row's first real token (after left padding)."""
+                       labels: torch.Tensor | None = None, positions: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Put ``prompts`` (B, P, d) right before each row's first real token (after left padding).
+        With explicit ``positions`` (3, B, L), the prompts take the first real token's position onwards
+        and every later token moves P positions on."""
         if prompts is None or prompts.shape[1] == 0:
-            return embeds, attention_mask, labels
+            return embeds, attention_mask, labels, positions
         B, P = prompts.shape[:2]
         first = (attention_mask.cumsum(1) == 0).sum(1)  # number of leading pads per row
-        rows, masks, labs = [], [], []
+        rows, masks, labs, poss = [], [], [], []
         one = attention_mask.new_ones(P)
         for i in range(B):
             f = int(first[i])
@@ -264,11 +302,18 @@ class MLLMBackbone(nn.Module):
             masks.append(torch.cat([attention_mask[i, :f], one, attention_mask[i, f:]]))
             if labels is not None:
                 labs.append(torch.cat([labels[i, :f], labels.new_full((P,), -100), labels[i, f:]]))
-        return torch.stack(rows), torch.stack(masks), (torch.stack(labs) if labels is not None else None)
+            if positions is not None:
+                p = positions[:, i]
+                start = p[:, f:f + 1] if f < p.shape[1] else p[:, -1:] + 1
+                poss.append(torch.cat([p[:, :f], start + torch.arange(P, device=p.device), p[:, f:] + P], 1))
+        return (torch.stack(rows), torch.stack(masks), (torch.stack(labs) if labels is not None else None),
+                (torch.stack(poss, 1) if positions is not None else None))
 
-    def lm_loss(self, embeds: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def lm_loss(self, embeds: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         """Per-sample mean cross-entropy over the answer tokens (B,)."""
-        out = self._lm(inputs_embeds=embeds, attention_mask=attention_mask, use_cache=False)
+        extra = {} if positions is None else {"position_ids": positions}
+        out = self._lm(inputs_embeds=embeds, attention_mask=attention_mask, use_cache=False, **extra)
         logits = out.logits[:, :-1].float()
         target = labels[:, 1:]
         ce = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
@@ -277,13 +322,89 @@ class MLLMBackbone(nn.Module):
         return ce.sum(1) / n
 
     @torch.no_grad()
-    def generate(self, embeds: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int) -> list[str]:
+    def generate(self, embeds: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
+                 positions: torch.Tensor | None = None) -> list[str]:
         """Batched greedy decoding with the KV cache; the decoded answers without special tokens."""
+        if positions is not None:
+            return self._greedy_with_positions(embeds, attention_mask, positions, max_new_tokens)
         out = self._lm.generate(inputs_embeds=embeds, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
                                   do_sample=False, num_beams=1, use_cache=True,
                                   pad_token_id=int(self.tokenizer.pad_token_id),
                                   eos_token_id=int(self.tokenizer.eos_token_id))
         return [t.strip() for t in self.tokenizer.batch_decode(out, skip_special_tokens=True)]
+
+
+    def _greedy_with_positions(self, embeds: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor,
+                               max_new_tokens: int) -> list[str]:
+        """Greedy decoding with the KV cache and explicit M-RoPE positions (Qwen2-VL with prompts:
+        ``generate`` would recompute positions from input ids the embeddings no longer match). Each
+        new token takes the next position after the row's largest one, in all three sections."""
+        eos, pad = int(self.tokenizer.eos_token_id), int(self.tokenizer.pad_token_id)
+        B = embeds.shape[0]
+        out = self.model(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=positions, use_cache=True)
+        nxt = positions.amax(dim=(0, 2)) + 1  # (B,)
+        done = torch.zeros(B, dtype=torch.bool, device=embeds.device)
+        tokens = []
+        for step in range(max_new_tokens):
+            tok = out.logits[:, -1].argmax(-1)
+            tok = torch.where(done, torch.full_like(tok, pad), tok)
+            tokens.append(tok)
+            done |= tok == eos
+            if bool(done.all()) or step == max_new_tokens - 1:
+                break
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(B, 1)], 1)
+            pos = (nxt + step).view(1, B, 1).expand(3, B, 1)
+            out = self.model(inputs_embeds=self.model.get_input_embeddings()(tok)[:, None], attention_mask=attention_mask,
+                             position_ids=pos, past_key_values=out.past_key_values, use_cache=True)
+        seqs = torch.stack(tokens, 1).tolist()
+        return [t.strip() for t in self.tokenizer.batch_decode(
+            [[x for x in row[: row.index(eos) if eos in row else len(row)]] for row in seqs], skip_special_tokens=True)]
+
+
+class ImageTokenProcessor:
+    """The part of a VLM processor the wrapper uses, assembled from a checkpoint's tokenizer (with its
+    chat template) and image processor: image-token expansion by ``image_grid_thw``, as
+    Qwen2VLProcessor does it. Used only where the full processor cannot be built: transformers 5.23's
+    Qwen2VLProcessor requires a video processor, which requires torchvision (absent on CPU machines)."""
+
+    def __init__(self, tokenizer: Any, image_processor: Any, chat_template: str | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.image_processor = image_processor
+        self.chat_template = chat_template or tokenizer.chat_template
+        self.image_token = getattr(tokenizer, "image_token", None) or "<|image_pad|>"
+
+    @classmethod
+    def from_pretrained(cls, path: str) -> "ImageTokenProcessor":
+        from transformers import AutoTokenizer
+        from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
+
+        template = Path(path) / "chat_template.jinja"
+        return cls(AutoTokenizer.from_pretrained(path), Qwen2VLImageProcessorPil.from_pretrained(path),
+                   template.read_text() if template.is_file() else None)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False, tokenize: bool = False) -> str:
+        return self.tokenizer.apply_chat_template(messages, chat_template=self.chat_template, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+
+    def __call__(self, text: list[str], images: list[Any], return_tensors: str = "pt") -> dict[str, torch.Tensor]:
+        img = self.image_processor(images=images, return_tensors=return_tensors)
+        merge = self.image_processor.merge_size ** 2
+        counts = iter((img["image_grid_thw"].prod(-1) // merge).tolist())
+        expanded = []
+        for t in text:
+            parts = t.split(self.image_token)
+            out = parts[0]
+            for rest in parts[1:]:
+                out += self.image_token * next(counts) + rest
+            expanded.append(out)
+        enc = self.tokenizer(expanded, return_tensors=return_tensors, padding=True)
+        return {**enc, "pixel_values": img["pixel_values"], "image_grid_thw": img["image_grid_thw"]}
+
+    def save_pretrained(self, path: str | Path) -> None:
+        self.tokenizer.save_pretrained(path)
+        self.image_processor.save_pretrained(path)
+        if self.chat_template:
+            (Path(path) / "chat_template.jinja").write_text(self.chat_template)
 
 
 BACKBONES.register("llava")(MLLMBackbone)
@@ -299,6 +420,18 @@ class InstructBlipBackbone(MLLMBackbone):
 
 
 BACKBONES.register("instructblip")(InstructBlipBackbone)
+
+
+class Qwen2VLBackbone(MLLMBackbone):
+    """Registered as backbone kind ``qwen2_vl`` (same wrapper, Qwen2-VL model class, M-RoPE positions)."""
+
+    @classmethod
+    def from_path(cls, path: str, dtype: torch.dtype = torch.float32, quantization: str = "none",
+                  max_length: int = 2048, kind: str = "qwen2_vl") -> "MLLMBackbone":
+        return MLLMBackbone.from_path(path, dtype, quantization, max_length, kind="qwen2_vl")
+
+
+BACKBONES.register("qwen2_vl")(Qwen2VLBackbone)
 
 # llava-hf/llava-1.5-7b-hf's architecture (CLIP ViT-L/14-336 + Vicuna-7B), for building it without weights.
 LLAVA15_7B = {
