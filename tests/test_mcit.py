@@ -334,3 +334,18 @@ def test_qwen2_vl_backbone_mrope_prompts_and_own_greedy_loop(mcit_assets, tmp_pa
     assert torch.isfinite(terms.per_sample).all() and m.prompts.grad.abs().sum() > 0
     collate = bb.make_collate(split, 0, train=False)
     assert m.generate(collate(samples), 3) == [m.generate(collate([s]), 3)[0] for s in samples]
+
+
+def test_lora_rebuilt_between_tasks_trains_from_its_loaded_state(mcit_assets, tmp_path):
+    """The pipeline rebuilds the method after every stage and gives each task a new DeepSpeed engine.
+    On 2 ZeRO-2 ranks, a rebuilt LoRA must start each task's engine from its loaded values, not from
+    bookkeeping an earlier engine left on shared parameter objects (which corrupted the gathered fp32
+    state when the adapters were reused across builds)."""
+    out = tmp_path / "lora.json"
+    cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
+           str(ROOT / "tests" / "workers" / "lora_rebuild.py"), str(mcit_assets["backbone"]), str(mcit_assets["shards"]),
+           str(out)]
+    r = subprocess.run(cmd, cwd=ROOT, env=run_env(), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["trained"] == [True, True, True] and res["starts_from_loaded"] == [True, True], res

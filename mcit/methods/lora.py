@@ -2,9 +2,11 @@
 
 peft's ``inject_adapter_in_model`` adds LoRA layers to the LLM's attention projections in place; the
 method registers the adapter matrices as its own submodules, so DeepSpeed trains, shards and
-checkpoints exactly those (the backbone stays frozen and outside the engine). Adapters are injected
-once per backbone object and re-initialised by every fresh build, so a rebuilt method (after each
-stage, or on resume) starts from the same values and then loads its saved state.
+checkpoints exactly those (the backbone stays frozen and outside the engine). The LoRA layers are
+injected once per backbone object; every build of the method puts *new* A/B Linear modules into them
+(initialised as peft does), so a rebuilt method (after each stage, or on resume) starts from the same
+values, loads its saved state, and shares no parameter object, hook or ZeRO bookkeeping with the
+DeepSpeed engine of an earlier task (re-using them made a later task read stale optimizer state).
 """
 
 from __future__ import annotations
@@ -46,11 +48,13 @@ class Lora(InstructionMethod):
         self.adapters = nn.ModuleDict()
         for name, m in lm.named_modules():
             if isinstance(m, LoraLayer) and "default" in m.lora_A:
-                a, b = m.lora_A["default"], m.lora_B["default"]
+                old_a, old_b = m.lora_A["default"], m.lora_B["default"]
+                kw = {"device": old_a.weight.device, "dtype": torch.float32}
+                a = nn.Linear(old_a.in_features, old_a.out_features, bias=False, **kw)
+                b = nn.Linear(old_b.in_features, old_b.out_features, bias=False, **kw)
                 nn.init.kaiming_uniform_(a.weight, a=math.sqrt(5))  # peft's own initialisation
                 nn.init.zeros_(b.weight)
-                for p in (a.weight, b.weight):
-                    p.requires_grad_(True)
+                m.lora_A["default"], m.lora_B["default"] = a, b
                 self.adapters[name.replace(".", "__")] = nn.ModuleDict({"A": a, "B": b})
         if not len(self.adapters):
             raise ValueError(f"method.target_modules {params.target_modules} matched no module of the language model")
