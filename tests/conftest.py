@@ -39,6 +39,11 @@ def tiny_config(assets: dict[str, Path], tmp: Path, name: str = "tiny", **sectio
                   "progress": False, "deepspeed_config": "deepspeed_configs/zero2.json"},
         "eval": {"batch_size": 50},
     }
+    return _write_config(cfg, tmp, name, sections)
+
+
+def _write_config(cfg: dict, tmp: Path, name: str, sections: dict) -> Path:
+    """``cfg`` with ``sections`` merged in (dict sections updated, others replaced), as tmp/<name>.yaml."""
     for k, v in sections.items():
         if isinstance(v, dict) and isinstance(cfg.get(k), dict):
             cfg[k] = {**cfg[k], **v}
@@ -109,11 +114,4 @@ def mcit_config(assets: dict[str, Path], tmp: Path, name: str = "mcit", **sectio
                   "progress": False, "deepspeed_config": "deepspeed_configs/zero2.json"},
         "eval": {"batch_size": 16, "max_new_tokens": 3},
     }
-    for k, v in sections.items():
-        if isinstance(v, dict) and isinstance(cfg.get(k), dict):
-            cfg[k] = {**cfg[k], **v}
-        else:
-            cfg[k] = v
-    path = tmp / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
+    return _write_config(cfg, tmp, name, sections)

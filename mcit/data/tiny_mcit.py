@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import io
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -175,22 +175,26 @@ def task_samples(task: str, n: int, seed: int, *, train: bool) -> list[dict[str,
             out.append(record(f"{prefix}_{i:06d}", s, QUESTIONS["digit"], NUMBERS[s.digit]))
         return out
     for i in range(n):
-        if task == "colour":
-            s = single_scene(rng) if rng.rand() < 0.5 else multi_scene(rng)
-            ans = s.colour
-        elif task == "count":
-            s = multi_scene(rng)
-            ans = NUMBERS[s.count]
-        elif task == "position":
-            s = single_scene(rng)
-            ans = s.position
-        elif task == "shape":
-            s = single_scene(rng) if rng.rand() < 0.5 else multi_scene(rng)
-            ans = s.shape
-        else:
-            raise ValueError(f"unknown task {task!r}")
+        s, ans = skill_scene(task, rng)
         out.append(record(f"{prefix}_{i:06d}", s, QUESTIONS[task], ans))
     return out
+
+
+def skill_scene(skill: str, rng: np.random.RandomState, digit: Callable[[], Scene] | None = None) -> tuple[Scene, str]:
+    """A scene for one skill and its one-word answer."""
+    if skill in ("colour", "shape"):
+        s = single_scene(rng) if rng.rand() < 0.5 else multi_scene(rng)
+        return s, s.colour if skill == "colour" else s.shape
+    if skill == "count":
+        s = multi_scene(rng)
+        return s, NUMBERS[s.count]
+    if skill == "position":
+        s = single_scene(rng)
+        return s, s.position
+    if skill == "digit" and digit is not None:
+        s = digit()
+        return s, NUMBERS[s.digit]
+    raise ValueError(f"unknown task {skill!r}")
 
 
 def base_mix(n: int, seed: int, *, train: bool = True) -> list[dict[str, Any]]:
@@ -212,21 +216,7 @@ def base_mix(n: int, seed: int, *, train: bool = True) -> list[dict[str, Any]]:
             out.append(record(key, s, BASE_QUESTIONS["caption"], caption(s)))
             continue
         skill = ["shape", "colour", "count", "position", "digit"][min(4, int((u - 0.4) / 0.12))]
-        if skill == "shape":
-            s = single_scene(rng) if rng.rand() < 0.5 else multi_scene(rng)
-            ans = s.shape
-        elif skill == "colour":
-            s = single_scene(rng) if rng.rand() < 0.5 else multi_scene(rng)
-            ans = s.colour
-        elif skill == "count":
-            s = multi_scene(rng)
-            ans = NUMBERS[s.count]
-        elif skill == "position":
-            s = single_scene(rng)
-            ans = s.position
-        else:
-            s = digit()
-            ans = NUMBERS[s.digit]
+        s, ans = skill_scene(skill, rng, digit)
         out.append(record(key, s, BASE_QUESTIONS[skill], ans))
     return out
 

@@ -407,31 +407,18 @@ class ImageTokenProcessor:
             (Path(path) / "chat_template.jinja").write_text(self.chat_template)
 
 
-BACKBONES.register("llava")(MLLMBackbone)
+class _KindLoader:
+    """What the backbone registry holds for one multimodal kind: ``from_path`` with the kind bound."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+    def from_path(self, path: str, dtype: torch.dtype = torch.float32, **options: Any) -> MLLMBackbone:
+        return MLLMBackbone.from_path(path, dtype, kind=self.kind, **options)
 
 
-class InstructBlipBackbone(MLLMBackbone):
-    """Registered as backbone kind ``instructblip`` (same wrapper, InstructBLIP model class)."""
-
-    @classmethod
-    def from_path(cls, path: str, dtype: torch.dtype = torch.float32, quantization: str = "none",
-                  max_length: int = 2048, kind: str = "instructblip") -> "MLLMBackbone":
-        return MLLMBackbone.from_path(path, dtype, quantization, max_length, kind="instructblip")
-
-
-BACKBONES.register("instructblip")(InstructBlipBackbone)
-
-
-class Qwen2VLBackbone(MLLMBackbone):
-    """Registered as backbone kind ``qwen2_vl`` (same wrapper, Qwen2-VL model class, M-RoPE positions)."""
-
-    @classmethod
-    def from_path(cls, path: str, dtype: torch.dtype = torch.float32, quantization: str = "none",
-                  max_length: int = 2048, kind: str = "qwen2_vl") -> "MLLMBackbone":
-        return MLLMBackbone.from_path(path, dtype, quantization, max_length, kind="qwen2_vl")
-
-
-BACKBONES.register("qwen2_vl")(Qwen2VLBackbone)
+for _kind in MLLMBackbone.MODEL_CLASSES:
+    BACKBONES.register(_kind)(_KindLoader(_kind))
 
 # llava-hf/llava-1.5-7b-hf's architecture (CLIP ViT-L/14-336 + Vicuna-7B), for building it without weights.
 LLAVA15_7B = {
