@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -38,7 +39,8 @@ def worker(mode: str, dim: int, tokens: int, samples: int, batch: int, eps: floa
 
     from mcit.subspace import energy_basis, token_covariance
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)  # one thread, one malloc arena (see main): a steadier peak-RSS reading
+    torch.zeros(1 << 16) @ torch.zeros(1 << 16)  # warm the allocator before the baseline reading
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t0 = time.perf_counter()
     if mode == "stream":
@@ -77,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
             n = args.samples * mult
             out = subprocess.run([sys.executable, __file__, "--dim", str(args.dim), "--tokens", str(args.tokens),
                                   "--batch", str(args.batch), "--eps", str(args.eps), "--worker", mode, str(n)],
-                                 capture_output=True, text=True, check=True)
+                                 capture_output=True, text=True, check=True,
+                                 env={**os.environ, "MALLOC_ARENA_MAX": "1", "OMP_NUM_THREADS": "1"})
             r = json.loads(out.stdout.strip().splitlines()[-1])
             res[(mode, mult)] = r
             print(f"{mode:6s} {n:7d} samples ({n * args.tokens} tokens x d={args.dim}): peak +{r['peak_mb']:8.1f} MB, "
