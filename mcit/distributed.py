@@ -10,6 +10,10 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
+import time
+import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,10 +26,36 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def prepare_extension_dir(stale_after_s: float | None = None) -> Path:
+    """Give DeepSpeed's JIT-built ops (shm comm, cpu_adam) a build directory of this environment's own
+    and remove build locks left by killed builds.
+
+    torch builds an extension under ``<dir>/<name>/lock`` and every other process waits on that file
+    with no time limit, so one build killed mid-way (a preempted job, a cancelled CI run) hangs every
+    later run forever, and a shared ``~/.cache/torch_extensions`` spreads that between checkouts.
+    Builds take seconds to a few minutes; a lock older than ``stale_after_s`` (default 900 s,
+    ``MCIT_EXTENSION_LOCK_STALE_S``) is taken as left over and removed with a warning.
+    """
+    if "TORCH_EXTENSIONS_DIR" not in os.environ and os.access(sys.prefix, os.W_OK):
+        os.environ["TORCH_EXTENSIONS_DIR"] = str(Path(sys.prefix) / "torch_extensions")
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
+    stale = float(os.environ.get("MCIT_EXTENSION_LOCK_STALE_S", 900) if stale_after_s is None else stale_after_s)
+    for lock in [*root.glob("*/lock"), *root.glob("*/*/lock")]:
+        try:
+            age = time.time() - lock.stat().st_mtime
+            if age > stale:
+                lock.unlink()
+                warnings.warn(f"removed a stale extension build lock {lock} ({age:.0f} s old)", stacklevel=2)
+        except FileNotFoundError:
+            continue
+    return root
+
+
 def init(timeout_s: float = 1800.0) -> None:
     """Initialise the default process group from launcher environment variables (idempotent)."""
     if dist.is_initialized():
         return
+    prepare_extension_dir()
     if "RANK" not in os.environ:
         # Plain `python script.py`: one process, talking to itself.
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
