@@ -135,3 +135,147 @@ def png_bytes(image: Any) -> bytes:
     buf = io.BytesIO()
     image.save(buf, format="PNG")
     return buf.getvalue()
+
+
+# --------------------------------------------------------------------------------------------------
+# Class-incremental benchmarks: records of (id, label, payload) cut into tasks by a seeded class order
+
+IMAGE_EXTS = ("png", "jpg", "jpeg")
+
+
+def class_order(num_classes: int, seed: int) -> list[int]:
+    """``numpy.random.RandomState(seed).permutation(C)``: the convention of the iCaRL-derived code bases
+    (seed 1993 gives their CIFAR-100 order); recorded in every manifest."""
+    import numpy as np
+
+    return [int(c) for c in np.random.RandomState(seed).permutation(num_classes)]
+
+
+def read_image_file(record_id: str, path: str | Path) -> tuple[str, bytes]:
+    """(extension, bytes) of an image file, checked to decode; a missing or unreadable file is a
+    RecordError naming the record and the file. JPEG and PNG bytes are kept as they are (no
+    re-encoding, no quality loss); any other format PIL reads is stored as PNG."""
+    import io
+
+    from PIL import Image, UnidentifiedImageError
+
+    p = Path(path)
+    if not p.is_file():
+        raise RecordError(record_id, p, "image file not found")
+    data = p.read_bytes()
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            fmt = (im.format or "").upper()
+            im.load()
+            if fmt in ("JPEG", "PNG"):
+                return ("jpg" if fmt == "JPEG" else "png"), data
+            return "png", png_bytes(im.convert("RGB"))
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
+        raise RecordError(record_id, p, f"unreadable image ({e.__class__.__name__}: {e})") from None
+
+
+def encode_image_file(spec: tuple[str, str, int, str]) -> dict:
+    """(key, path, label, record id) -> a classification sample with the image bytes as stored."""
+    key, path, label, rid = spec
+    ext, data = read_image_file(rid, path)
+    return {"__key__": key, ext: data, "cls": label, "json": {"id": rid, "label": label}}
+
+
+def check_unique(ids: Sequence[str], source: str | Path, on_error: str) -> set[int]:
+    """Positions of records whose id was seen before (reported, or returned to skip)."""
+    seen: set[str] = set()
+    dup: set[int] = set()
+    for i, rid in enumerate(ids):
+        if rid in seen:
+            if on_error == "fail":
+                raise RecordError(rid, source, "duplicate id (an earlier record has the same id)")
+            dup.add(i)
+        seen.add(rid)
+    return dup
+
+
+def build_cil(out: Path, splits: dict[str, list[tuple[str, str, int, str]]], class_names: list[str], *,
+              benchmark: str, classes_per_task: int, seed: int, encode: Callable[[Any], dict] = encode_image_file,
+              source_skipped: dict[str, list[str]] | None = None, shard_size: int = 1000, workers: int = 1,
+              on_error: str = "fail", progress: bool = True, extra: dict[str, Any] | None = None) -> dict:
+    """Write ``<out>/task<t>/{train,test}`` for a class-incremental benchmark and ``benchmark.json``.
+
+    ``splits`` maps a split name to specs whose third field is the class index; task t holds classes
+    ``order[t*C:(t+1)*C]`` with ``order = class_order(len(class_names), seed)``.
+    """
+    C = len(class_names)
+    if C == 0:
+        raise DataError(f"{benchmark}: no classes found")
+    if classes_per_task < 1 or C % classes_per_task:
+        raise DataError(f"--classes-per-task {classes_per_task} does not divide {C} classes")
+    order = class_order(C, seed)
+    skipped_src = source_skipped or {s: [] for s in splits}
+    tasks = []
+    for t in range(C // classes_per_task):
+        classes = order[t * classes_per_task:(t + 1) * classes_per_task]
+        chosen_classes = set(classes)
+        for s, recs in splits.items():
+            chosen = [r for r in recs if r[2] in chosen_classes]
+            write_shards(out / f"task{t}" / s, chosen, encode, shard_size=shard_size, label_space=classes,
+                         class_names={c: class_names[c] for c in classes},
+                         extra={"task": f"task{t}", "class_order": order, "seed": seed, "source": benchmark,
+                                "source_skipped": len(skipped_src.get(s, [])), **(extra or {})},
+                         on_error=on_error, workers=workers, progress=progress, desc=f"task{t}/{s}")
+        tasks.append({"name": f"task{t}", "classes": classes})
+    meta = {"benchmark": benchmark, "seed": seed, "class_order": order, "tasks": tasks, "class_names": class_names,
+            "num_samples": {s: len(r) for s, r in splits.items()}, "skipped_records": skipped_src, **(extra or {})}
+    atomic_write_text(out / "benchmark.json", json.dumps(meta, indent=1))
+    return meta
+
+
+def verify_tree(out: Path) -> int:
+    """``verify`` every split directory under ``out`` (``*/manifest.json`` and ``*/*/manifest.json``)."""
+    manifests = sorted({*out.glob("*/manifest.json"), *out.glob("*/*/manifest.json")})
+    if (out / MANIFEST).is_file():
+        manifests.insert(0, out / MANIFEST)
+    total = sum(verify(m.parent) for m in manifests)
+    if not manifests:
+        raise DataError(f"no split directories (*/*/manifest.json) under {out}")
+    return total
+
+
+def cil_arguments(doc: str, *, raw_help: str, classes_per_task: int, seed: int, out: str) -> Any:
+    """The argument parser every image CIL converter shares (plus its own options)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="\n".join(doc.splitlines()[1:]))
+    ap.add_argument("--raw", type=Path, help=raw_help)
+    ap.add_argument("--out", type=Path, default=Path(out))
+    ap.add_argument("--classes-per-task", type=int, default=classes_per_task)
+    ap.add_argument("--seed", type=int, default=seed, help="class order: RandomState(seed).permutation")
+    ap.add_argument("--shard-size", type=int, default=1000)
+    ap.add_argument("--workers", type=int, default=1, help="processes encoding shards in parallel")
+    ap.add_argument("--on-error", choices=["fail", "skip"], default="fail",
+                    help="a bad record stops the conversion (fail) or is left out and counted (skip)")
+    ap.add_argument("--verify", type=Path, metavar="OUT", help="re-check every split under OUT and exit")
+    ap.add_argument("--no-progress", action="store_true")
+    return ap
+
+
+def run_cli(ap: Any, argv: list[str] | None, build: Callable[[Any], dict], name: str) -> int:
+    """Parse, then ``--verify`` or ``build(args)``; a DataError becomes one ``error:`` line and exit 2."""
+    import sys
+
+    args = ap.parse_args(argv)
+    try:
+        if args.verify:
+            n = verify_tree(args.verify)
+            print(f"{args.verify}: every shard matches its manifest, {n} samples decode", file=sys.stderr)
+            return 0
+        if getattr(args, "raw", None) is None and "raw" in vars(args):
+            ap.error("--raw is required (or use --verify)")
+        meta = build(args)
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    tasks = meta.get("tasks", [])
+    order = meta.get("class_order")
+    print(f"{name} at {args.out}: {len(tasks)} tasks" + (f", class order {order[:10]}..." if order else ""),
+          file=sys.stderr)
+    return 0

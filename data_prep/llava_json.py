@@ -1,13 +1,12 @@
-"""LLaVA-format instruction data (the CoIN / UCIT JSON + an image folder) -> one shard split.
+"""One instruction file (LLaVA JSON, CoIN question file, JSON lines, parquet / arrow / a saved dataset)
++ an image folder -> one shard split.
 
     python -m data_prep.llava_json --json coin/ScienceQA/train.json --images coin/images \
         --out data/shards/coin/scienceqa/train --scorer multiple_choice
+    python -m data_prep.llava_json --json TextVQA/test.json --annotations TextVQA_0.5.1_val.json ...
 
-Each JSON item is ``{"id", "image" (path under --images), "conversations": [{"from": "human",
-"value": "<image>\\n..."}, {"from": "gpt", "value": ...}, ...]}`` plus optional ``answers`` (VQA
-annotators) and ``box`` (grounding). Multi-turn items become one sample per turn. A bad item stops the
-conversion with one line naming the JSON file, the item and the problem; nothing is written until
-every item has been read (the split's shards are then written, the manifest last).
+For whole benchmarks use ``python -m data_prep.coin`` / ``python -m data_prep.ucit``; the record forms
+and checks are those of data_prep.instruction_sets. Resumable like every converter (data_prep.common).
 """
 
 from __future__ import annotations
@@ -16,37 +15,41 @@ import argparse
 import sys
 from pathlib import Path
 
+from data_prep.common import verify
+from data_prep.instruction_sets import convert_split
 from mcit import scorers as S
-from mcit.data.instructions import records_from_llava_json, write_instruction_split
 from mcit.data.shards import DataError
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", type=Path, required=True)
-    ap.add_argument("--images", type=Path, required=True)
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--json", type=Path, help="the instruction file")
+    ap.add_argument("--images", type=Path, help="the folder the records' image paths are relative to")
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--annotations", type=Path, help="original annotation file joined on question_id")
     ap.add_argument("--scorer", default="exact_match", choices=sorted(S.SCORERS))
     ap.add_argument("--shard-size", type=int, default=1000)
+    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--on-error", choices=["fail", "skip"], default="fail")
     ap.add_argument("--limit", type=int, default=0, help="convert only the first N samples (0 = all)")
+    ap.add_argument("--verify", type=Path, metavar="SPLIT", help="re-check a split directory and exit")
+    ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
-    if (args.out / "manifest.json").exists():
-        print(f"error: {args.out} already holds a split (manifest.json); remove it or choose another --out",
-              file=sys.stderr)
-        return 2
     try:
-        samples = []
-        for rec in records_from_llava_json(args.json, args.images):
-            samples.append(rec)
-            if args.limit and len(samples) >= args.limit:
-                break
-        manifest = write_instruction_split(args.out, samples, shard_size=args.shard_size, scorer=args.scorer,
-                                           extra={"source": str(args.json)})
+        if args.verify:
+            n = verify(args.verify)
+            print(f"{args.verify}: every shard matches its manifest, {n} samples decode", file=sys.stderr)
+            return 0
+        if args.json is None or args.out is None:
+            ap.error("--json and --out are required (or use --verify)")
+        m = convert_split(args.json, args.out, images=args.images, scorer=args.scorer, annotations=args.annotations,
+                          shard_size=args.shard_size, workers=args.workers, on_error=args.on_error,
+                          progress=not args.no_progress, limit=args.limit)
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"{args.out}: {manifest['num_samples']} samples in {len(manifest['shards'])} shards (scorer {args.scorer})",
-          file=sys.stderr)
+    print(f"{args.out}: {m['num_samples']} samples in {len(m['shards'])} shards (scorer {args.scorer}, "
+          f"skipped {m['skipped'] + m['source_skipped']})", file=sys.stderr)
     return 0
 
 

@@ -231,7 +231,8 @@ def test_llava_json_converter(tmp_path):
     (tmp_path / "d.json").write_text(json.dumps(items))
     cmd[cmd.index("--out") + 1] = str(tmp_path / "split2")
     r = subprocess.run(cmd, cwd=ROOT, env=run_env(), capture_output=True, text=True)
-    assert r.returncode == 2 and "item 0 (id 'q1'): image not found" in r.stderr and not (tmp_path / "split2").exists()
+    assert r.returncode == 2 and "record 'q1'" in r.stderr and "image file not found" in r.stderr
+    assert str(tmp_path / "d.json") in r.stderr and not (tmp_path / "split2").exists()
 
 
 def test_instructblip_backbone_trains_prompts_and_generates_per_sample(mcit_assets, tmp_path):

@@ -8,7 +8,7 @@ A sample in a shard is ``<key>.<png|jpg|jpeg>`` (the image bytes, unchanged) and
 
 The manifest of an instruction split has ``"kind": "instruction"``, an empty ``label_space`` and the
 task's default ``"scorer"`` (see mcit.scorers). Multi-turn conversations are cut into one sample per
-(human, gpt) turn by ``records_from_llava_json``.
+(human, gpt) turn by the converters (data_prep.instruction_sets).
 """
 
 from __future__ import annotations
@@ -70,40 +70,6 @@ def decode_instruction(sample: dict) -> tuple[Any, dict[str, Any], str]:
     if "box" in rec:
         out["box"] = rec["box"]
     return image, out, key
-
-
-def records_from_llava_json(json_path: Path, image_root: Path) -> Iterator[dict[str, Any]]:
-    """Samples of a LLaVA-format JSON list (``id``, ``image``, ``conversations``[, ``answers``, ``box``])
-    with the image bytes read from ``image_root``; one sample per conversation turn."""
-    try:
-        items = json.loads(Path(json_path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise DataError(f"cannot read {json_path}: {e}") from None
-    if not isinstance(items, list):
-        raise DataError(f"{json_path}: expected a JSON list of samples")
-    for n, item in enumerate(items):
-        where = f"{json_path} item {n} (id {item.get('id', '?')!r})"
-        if "image" not in item:
-            raise DataError(f"{where}: no 'image' field")
-        img = image_root / item["image"]
-        if not img.is_file():
-            raise DataError(f"{where}: image not found: {img}")
-        ext = img.suffix.lower().lstrip(".")
-        if ext not in IMAGE_EXTS:
-            raise DataError(f"{where}: image {img} is not one of {', '.join(IMAGE_EXTS)}")
-        data = img.read_bytes()
-        for t, (q, a) in enumerate(turns(item.get("conversations"), where)):
-            rec: dict[str, Any] = {"__key__": f"{_safe(item.get('id', n))}_t{t}", ext: data,
-                                   "conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]}
-            if t == 0:
-                for k in ("answers", "box"):
-                    if k in item:
-                        rec[k] = item[k]
-            yield rec
-
-
-def _safe(x: Any) -> str:
-    return "".join(c if c.isalnum() or c in "-_" else "_" for c in str(x))
 
 
 def all_texts(samples: Iterable[dict[str, Any]]) -> Iterator[str]:

@@ -3,7 +3,7 @@
 Layout of a split directory::
 
     manifest.json          {"format", "num_samples", "label_space", "class_names", "shards": [...]}
-    shard-000000.tar       webdataset samples: <key>.png (image), <key>.cls (integer label), <key>.json
+    shard-000000.tar       webdataset samples: <key>.png|jpg (image bytes), <key>.cls (integer label), <key>.json
 
 How a split is divided over W ranks (``split`` policy):
 
@@ -259,7 +259,10 @@ def decode_sample(sample: dict) -> tuple[Any, int, str]:
 
     key = sample.get("__key__", "?")
     try:
-        image = Image.open(io.BytesIO(sample["png"]))
+        data = next((sample[e] for e in ("png", "jpg", "jpeg") if e in sample), None)
+        if data is None:
+            raise KeyError("no png/jpg image")
+        image = Image.open(io.BytesIO(data))
         image.load()
         label = int(sample["cls"].decode() if isinstance(sample["cls"], bytes) else sample["cls"])
     except Exception as e:  # noqa: BLE001 - any decoding failure names the sample

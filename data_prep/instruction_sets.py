@@ -1,0 +1,347 @@
+"""The CoIN / UCIT instruction sets -> instruction shards, from LLaVA JSON + an image folder or from a
+dataset that ``datasets`` loads from local files (parquet / arrow / json).
+
+Two record forms are read, as the benchmarks distribute them:
+
+* training form (LLaVA): ``{"id", "image", "conversations": [{"from": "human", "value": "<image>\\n..."},
+  {"from": "gpt", "value": ...}, ...]}``; a multi-turn conversation becomes one sample per turn;
+* test form (CoIN's question files): ``{"question_id", "image", "text", "answer"}``, plus
+  ``answer_bbox`` (and ``size``) for grounding.
+
+Either form may carry ``answers`` (the annotators' answers, for VQA accuracy; strings or
+``{"answer": ...}``), ``box`` and ``choices``; for test sets whose answer lists live in the original
+annotation file (TextVQA ``{"data": [...]}``, VQAv2 ``{"annotations": [...]}``, VizWiz), pass it with
+``--annotations``: its records are joined on ``question_id``. Duplicate ids are an error, in the
+question file and in the annotation file alike: joining by a key that is not unique silently scores
+answers against another question's references (the VizWiz mismatch). A record without an answer, a
+missing or unreadable image and an unknown record form are errors naming the record id and the file;
+``--on-error skip`` leaves them out and counts them in the manifest.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from data_prep.common import RecordError, read_image_file, write_shards
+from mcit.data.instructions import turns
+from mcit.data.shards import DataError
+
+LETTERS = "ABCDEFGHIJ"
+
+
+@dataclass(frozen=True)
+class TaskPreset:
+    """Where a benchmark task's files are and how it is scored."""
+
+    name: str            # the shard directory name (and the config's task name)
+    folder: str          # its folder in the benchmark's instruction tree
+    scorer: str
+
+
+COIN = [TaskPreset("scienceqa", "ScienceQA", "multiple_choice"), TaskPreset("textvqa", "TextVQA", "vqa_accuracy"),
+        TaskPreset("imagenet", "ImageNet", "exact_match"), TaskPreset("gqa", "GQA", "exact_match"),
+        TaskPreset("vizwiz", "VizWiz", "vqa_accuracy"), TaskPreset("grounding", "Grounding", "grounding_iou"),
+        TaskPreset("vqav2", "VQAv2", "vqa_accuracy"), TaskPreset("ocrvqa", "OCRVQA", "exact_match")]
+UCIT = [TaskPreset("imagenet_r", "ImageNet-R", "exact_match"), TaskPreset("arxivqa", "ArxivQA", "multiple_choice"),
+        TaskPreset("vizwiz_caption", "VizWiz-caption", "contains"), TaskPreset("iconqa", "IconQA", "exact_match"),
+        TaskPreset("clevr_math", "CLEVR-Math", "exact_match"), TaskPreset("flickr30k", "Flickr30k", "contains")]
+
+
+def _safe(x: Any) -> str:
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in str(x))
+
+
+def _answers(value: Any) -> list[str]:
+    if isinstance(value, (list, tuple)):
+        return [str(a["answer"] if isinstance(a, dict) else a) for a in value]
+    return [str(value)]
+
+
+def _box(value: Any) -> list[float]:
+    if isinstance(value, str):
+        value = [v for v in value.replace("[", " ").replace("]", " ").replace(",", " ").split()]
+    box = [float(v) for v in value]
+    if len(box) != 4:
+        raise ValueError(f"a box has 4 numbers, got {len(box)}")
+    return box
+
+
+def load_annotations(path: Path) -> dict[str, dict]:
+    """Original annotation records keyed by question_id; a duplicate id is an error naming it."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise DataError(f"cannot read {path}: {e}") from None
+    if isinstance(data, dict):
+        data = data.get("data", data.get("annotations"))
+    if not isinstance(data, list):
+        raise DataError(f"{path}: unknown format (expected a list, or a dict with 'data' or 'annotations')")
+    out: dict[str, dict] = {}
+    for n, rec in enumerate(data):
+        qid = rec.get("question_id") if isinstance(rec, dict) else None
+        if qid is None:
+            raise DataError(f"{path} item {n}: no 'question_id'")
+        if str(qid) in out:
+            raise RecordError(str(qid), path, "duplicate question_id in the annotation file")
+        out[str(qid)] = rec
+    return out
+
+
+def record_turns(item: dict, where: Path, annotations: dict[str, dict] | None) -> tuple[str, list[dict]]:
+    """(record id, one reference dict per turn) of a record in either form; RecordError if malformed."""
+    if not isinstance(item, dict):
+        raise RecordError("?", where, "unknown format (a record is not a JSON object)")
+    rid = str(item.get("question_id", item.get("id", "?")))
+    extra: dict[str, Any] = {}
+    try:
+        if "conversations" in item:
+            pairs = turns(item["conversations"], f"record {rid!r} ({where})")
+        elif "text" in item or "question" in item:
+            q = str(item.get("text", item.get("question")))
+            ans = item.get("answer")
+            if ans is None and "answers" in item:
+                ans = _answers(item["answers"])[0]
+            if ans is None and "answer_bbox" in item:
+                ans = "[" + ", ".join(f"{v:.3f}" for v in _box(item["answer_bbox"])) + "]"
+            ann = annotations.get(rid) if annotations is not None else None
+            if annotations is not None and ann is None:
+                raise RecordError(rid, where, "question_id not in the annotation file")
+            if ann is not None:
+                extra["answers"] = _answers(ann.get("answers", ann.get("answer")))
+                ans = ans if ans is not None else extra["answers"][0]
+            if ans is None:
+                raise RecordError(rid, where, "record has no answer")
+            if isinstance(ans, int) and "choices" in item:
+                ans = LETTERS[ans]
+            pairs = [(q if "<image>" in q else f"<image>\n{q}", str(ans))]
+        else:
+            raise RecordError(rid, where, "unknown format (neither 'conversations' nor 'text'/'question')")
+        if "answers" in item:
+            extra["answers"] = _answers(item["answers"])
+        for k in ("box", "answer_bbox"):
+            if k in item:
+                extra["box"] = _box(item[k])
+        if "choices" in item:
+            extra["choices"] = [str(c) for c in item["choices"]]
+    except RecordError:
+        raise
+    except (DataError, ValueError, TypeError, KeyError, IndexError) as e:
+        raise RecordError(rid, where, str(e).split(": ", 1)[-1] if isinstance(e, DataError) else
+                          f"malformed ({e.__class__.__name__}: {e})") from None
+    refs = []
+    for t, (q, a) in enumerate(pairs):
+        if not a.strip():
+            raise RecordError(rid, where, f"turn {t} has no answer")
+        ref = {"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]}
+        if t == 0:
+            ref.update(extra)
+        refs.append(ref)
+    return rid, refs
+
+
+def read_items(path: Path) -> list[Any]:
+    """Records of a JSON list, a JSON-lines file, or a dataset ``datasets`` loads (parquet/arrow/json)."""
+    if not path.exists():
+        raise DataError(f"missing file: {path}")
+    suffix = path.suffix.lower()
+    if suffix in (".parquet", ".arrow") or path.is_dir():
+        return load_with_datasets(path)
+    if suffix == ".jsonl":
+        try:
+            return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        except json.JSONDecodeError as e:
+            raise DataError(f"cannot read {path}: {e}") from None
+    if suffix != ".json":
+        raise DataError(f"{path}: unknown format (expected .json, .jsonl, .parquet, .arrow or a saved dataset)")
+    try:
+        items = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise DataError(f"cannot read {path}: {e}") from None
+    if isinstance(items, dict) and isinstance(items.get("data"), list):
+        items = items["data"]
+    if not isinstance(items, list):
+        raise DataError(f"{path}: unknown format (expected a JSON list of records)")
+    return items
+
+
+def load_with_datasets(path: Path) -> list[dict]:
+    """A local dataset through ``datasets``, never the hub: parquet / arrow files (their arrow cache goes
+    to a temporary folder, not ~/.cache) or a ``save_to_disk`` folder. An ``Image`` column is read
+    undecoded, so its bytes go into the shards unchanged."""
+    import os
+    import tempfile
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    import datasets
+
+    with tempfile.TemporaryDirectory(prefix="mcit-datasets-") as cache:
+        try:
+            if path.is_dir():
+                ds = datasets.load_from_disk(str(path))
+            else:
+                fmt = {".parquet": "parquet", ".arrow": "arrow"}[path.suffix.lower()]
+                ds = datasets.load_dataset(fmt, data_files=str(path), split="train", cache_dir=cache)
+        except Exception as e:  # noqa: BLE001 - datasets raises many types; one line names the file
+            raise DataError(f"{path}: cannot load with datasets ({e.__class__.__name__}: {e})") from None
+        if isinstance(ds, datasets.DatasetDict):
+            raise DataError(f"{path}: holds several splits ({', '.join(ds)}); point at one split's folder")
+        if isinstance(ds.features.get("image"), datasets.Image):
+            ds = ds.cast_column("image", datasets.Image(decode=False))
+        return [dict(r) for r in ds]
+
+
+def _image_ref(item: dict, rid: str, where: Path, images: Path | None) -> tuple[str, Any]:
+    """('path', str) or ('bytes', bytes) for a record's image."""
+    img = item.get("image")
+    if isinstance(img, dict) and img.get("bytes"):
+        return "bytes", img["bytes"]
+    if isinstance(img, dict):
+        img = img.get("path")
+    if not img:
+        raise RecordError(rid, where, "record has no image")
+    if images is None:
+        raise RecordError(rid, where, f"image {img!r} is a path but no --images folder was given")
+    path = images / str(img)
+    if not path.is_file():  # found before anything is written; unreadable files are found while encoding
+        raise RecordError(rid, where, f"image file not found: {path}")
+    return "path", str(path)
+
+
+def encode(spec: tuple[str, str, str, tuple[str, Any], dict]) -> dict:
+    """(key, record id, source, image ref, reference) -> a shard sample (image bytes as stored + json)."""
+    from PIL import Image
+
+    key, rid, source, (kind, ref), rec = spec
+    if kind == "path":
+        ext, data = read_image_file(rid, ref)
+    else:
+        try:
+            with Image.open(io.BytesIO(ref)) as im:
+                fmt = (im.format or "").upper()
+                im.load()
+        except Exception as e:  # noqa: BLE001
+            raise RecordError(rid, source, f"unreadable image bytes ({e.__class__.__name__}: {e})") from None
+        if fmt not in ("JPEG", "PNG"):
+            raise RecordError(rid, source, f"image bytes are {fmt or 'unknown'}, not JPEG or PNG")
+        ext, data = ("jpg" if fmt == "JPEG" else "png"), ref
+    return {"__key__": key, ext: data, "json": json.dumps({"id": rid, **rec}).encode()}
+
+
+def specs_of(path: Path, images: Path | None, annotations: Path | None, on_error: str
+             ) -> tuple[list[tuple], list[str]]:
+    """Shard specs of one split file and the ids of the records left out under ``on_error=skip``."""
+    ann = load_annotations(annotations) if annotations is not None else None
+    specs, skipped, seen = [], [], set()
+    for n, item in enumerate(read_items(path)):
+        try:
+            rid, refs = record_turns(item, path, ann)
+            if rid == "?":
+                rid = f"item{n}"
+            if rid in seen:
+                raise RecordError(rid, path, "duplicate id (an earlier record has the same id)")
+            seen.add(rid)
+            image = _image_ref(item, rid, path, images)
+        except RecordError as e:
+            if on_error == "fail":
+                raise
+            skipped.append(e.record_id)
+            continue
+        for t, ref in enumerate(refs):
+            specs.append((f"{_safe(rid)}_t{t}", rid, str(path), image, ref))
+    return specs, skipped
+
+
+def write_planned(specs: list[tuple], skipped: list[str], path: Path, out: Path, *, scorer: str,
+                  annotations: Path | None = None, shard_size: int = 1000, workers: int = 1, on_error: str = "fail",
+                  progress: bool = True, task: str = "", limit: int = 0) -> dict:
+    """Write the specs of one split file (from ``specs_of``) as an instruction split."""
+    if limit:
+        specs = specs[:limit]
+    return write_shards(out, specs, encode, shard_size=shard_size, label_space=[], on_error=on_error,
+                        workers=workers, progress=progress, desc=f"{task or out.parent.name}/{out.name}",
+                        extra={"kind": "instruction", "scorer": scorer, "task": task, "source": str(path),
+                               "annotations": str(annotations) if annotations else None,
+                               "source_skipped": len(skipped), "source_skipped_records": skipped[:1000]})
+
+
+def convert_split(path: Path, out: Path, *, images: Path | None, scorer: str, annotations: Path | None = None,
+                  on_error: str = "fail", **kw) -> dict:
+    """One split file -> one split directory (every record is checked before anything is written)."""
+    specs, skipped = specs_of(path, images, annotations, on_error)
+    return write_planned(specs, skipped, path, out, scorer=scorer, annotations=annotations, on_error=on_error, **kw)
+
+
+def iter_split_files(folder: Path) -> Iterator[tuple[str, Path]]:
+    """(split, file) of a task folder: train/test as .json, .jsonl, .parquet, .arrow or a saved dataset."""
+    for split in ("train", "test"):
+        found = [folder / f"{split}{ext}" for ext in (".json", ".jsonl", ".parquet", ".arrow", "")
+                 if (folder / f"{split}{ext}").exists()]
+        if not found:
+            raise DataError(f"{folder}: no {split}.json (or .jsonl/.parquet/.arrow/saved dataset)")
+        yield split, found[0]
+
+
+def benchmark_main(benchmark: str, presets: list[TaskPreset], doc: str, argv: list[str] | None = None) -> int:
+    """The command of one benchmark: ``--task NAME|all`` converts each task's train and test file."""
+    import argparse
+    import sys
+
+    from data_prep.common import verify_tree
+
+    by_name = {p.name: p for p in presets} | {p.folder.lower(): p for p in presets}
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="\n".join(doc.splitlines()[1:]))
+    ap.add_argument("--task", nargs="+", default=["all"], help=f"all, or some of: {', '.join(p.name for p in presets)}")
+    ap.add_argument("--instructions", type=Path, help=f"the folder holding <Task>/train.json and <Task>/test.json")
+    ap.add_argument("--images", type=Path, help="the folder the records' 'image' paths are relative to")
+    ap.add_argument("--annotations", nargs="*", default=[],
+                    help="TASK=FILE: original annotation file joined on question_id into the test split")
+    ap.add_argument("--out", type=Path, default=Path(f"data/shards/{benchmark}"))
+    ap.add_argument("--shard-size", type=int, default=1000)
+    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--on-error", choices=["fail", "skip"], default="fail")
+    ap.add_argument("--limit", type=int, default=0, help="convert only the first N samples per split (0 = all)")
+    ap.add_argument("--verify", type=Path, metavar="OUT", help="re-check every split under OUT and exit")
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+    try:
+        if args.verify:
+            n = verify_tree(args.verify)
+            print(f"{args.verify}: every shard matches its manifest, {n} samples decode", file=sys.stderr)
+            return 0
+        if args.instructions is None:
+            ap.error("--instructions is required (or use --verify)")
+        names = [p.name for p in presets] if args.task == ["all"] else args.task
+        unknown = [t for t in names if t.lower() not in by_name]
+        if unknown:
+            raise DataError(f"unknown task {unknown[0]!r}; {benchmark} has {', '.join(p.name for p in presets)}")
+        ann: dict[str, Path] = {}
+        for a in args.annotations:
+            task, _, f = a.partition("=")
+            if not f or task.lower() not in by_name:
+                raise DataError(f"--annotations {a!r}: expected TASK=FILE with a task of {benchmark}")
+            ann[by_name[task.lower()].name] = Path(f)
+        todo = []  # every file is found and every record checked before anything is written
+        for t in names:
+            preset = by_name[t.lower()]
+            folder = args.instructions / preset.folder
+            if not folder.is_dir():
+                raise DataError(f"missing directory: {folder} (task {preset.name})")
+            for split, f in iter_split_files(folder):
+                a = ann.get(preset.name) if split == "test" else None
+                todo.append((preset, split, f, a, *specs_of(f, args.images, a, args.on_error)))
+        for preset, split, f, a, specs, skipped in todo:
+            m = write_planned(specs, skipped, f, args.out / preset.name / split, scorer=preset.scorer, annotations=a,
+                              shard_size=args.shard_size, workers=args.workers, on_error=args.on_error,
+                              progress=not args.no_progress, task=preset.name, limit=args.limit)
+            print(f"{preset.name}/{split}: {m['num_samples']} samples in {len(m['shards'])} shards "
+                  f"(scorer {preset.scorer}, skipped {m['skipped'] + m['source_skipped']})", file=sys.stderr)
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
