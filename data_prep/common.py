@@ -44,7 +44,7 @@ def _encode_shard(args: tuple[Callable[[Any], dict], Sequence[Any], str, str]) -
     tmp = f"{path}.tmp{os.getpid()}"
     n = 0
     try:
-        with wds.TarWriter(tmp, mtime=0.0) as sink:
+        with wds.TarWriter(tmp, mtime=0) as sink:  # int mtime: byte-identical, no pax headers
             for spec in specs:
                 try:
                     sample = encode(spec)

@@ -115,3 +115,30 @@ def test_assign_is_balanced_greedy():
 
     mode, mine, load = assign(S(), 0, 2, "shard")
     assert mode == "shard" and sorted(load) == [33, 40]
+
+
+@pytest.mark.parametrize("mtime", [0, 0.0])  # 0.0 makes tarfile write a pax header before every member
+def test_fast_tar_reader_yields_what_webdataset_yields(tmp_path, mtime):
+    import webdataset as wds
+
+    from mcit.data.shards import tar_samples
+
+    path = tmp_path / "s.tar"
+    long_key = "k" * 120  # longer than ustar's 100-byte name field
+    with wds.TarWriter(str(path), mtime=mtime) as sink:
+        for i, key in enumerate(["a0", "b1", long_key, "dir_x"]):
+            sink.write({"__key__": key, "png": bytes([i]) * (700 + i), "cls": i, "json": {"i": i}})
+    ours = list(tar_samples(path))
+    theirs = list(wds.tarfile_to_samples()([{"url": str(path)}]))
+    assert [s["__key__"] for s in ours] == ["a0", "b1", long_key, "dir_x"]
+    assert ours == [{k: v for k, v in s.items() if k in ours[0]} for s in theirs]
+    data = path.read_bytes()
+    for cut, msg in ((data.rfind(b'{"i": 3}') + 3, "truncated"), (700, "truncated")):
+        (tmp_path / "cut.tar").write_bytes(data[:cut])
+        with pytest.raises(DataError, match=msg):
+            list(tar_samples(tmp_path / "cut.tar"))
+    broken = bytearray(data)
+    broken[10] ^= 0xFF  # a flipped byte in the first header
+    (tmp_path / "flip.tar").write_bytes(bytes(broken))
+    with pytest.raises(DataError, match=r"flip\.tar: bad tar header at byte 0"):
+        list(tar_samples(tmp_path / "flip.tar"))
