@@ -51,6 +51,7 @@ test: install
 bench: data-cil data
 	PATH=$(abspath $(BIN)):$$PATH DS_ACCELERATOR=cpu CUDA_VISIBLE_DEVICES= $(BIN)/python bench/engine_throughput.py
 	PATH=$(abspath $(BIN)):$$PATH DS_ACCELERATOR=cpu CUDA_VISIBLE_DEVICES= $(BIN)/python bench/subspace_memory.py
+	PATH=$(abspath $(BIN)):$$PATH DS_ACCELERATOR=cpu CUDA_VISIBLE_DEVICES= $(BIN)/python bench/shard_read_speed.py
 
 clean:
 	rm -rf runs

@@ -408,10 +408,16 @@ def test_instruction_sets_convert_verify_and_train(mcit_assets, tmp_path):
     s = next(iter_samples(tr, 0, 1, policy="sample"))
     assert "png" in s and json.loads(s["json"])["choices"] == ["warm", "cool"]
     assert _convert("ucit", "--verify", tmp_path / "ucit").returncode == 0
+    arrow = next((ucit / "ArxivQA" / "test").glob("*.arrow"))  # a bare arrow file, read through datasets
+    r = _convert("llava_json", "--json", arrow, "--out", tmp_path / "arrow_split", "--scorer", "multiple_choice")
+    assert r.returncode == 0, r.stderr
+    assert open_split(tmp_path / "arrow_split", "sha256").num_samples == 2
 
     cfg = mcit_config(mcit_assets, tmp_path, "real_formats", data={"tasks": [
         {"name": "textvqa", "train": str(tmp_path / "coin" / "textvqa" / "train"),
          "test": str(tmp_path / "coin" / "textvqa" / "test")},
+        {"name": "grounding", "train": str(tmp_path / "coin" / "grounding" / "train"),
+         "test": str(tmp_path / "coin" / "grounding" / "test")},
         {"name": "arxivqa", "train": str(tmp_path / "ucit" / "arxivqa" / "train"),
          "test": str(tmp_path / "ucit" / "arxivqa" / "test")}],
         "reference": str(mcit_assets["shards"] / "base" / "test")},
@@ -420,7 +426,7 @@ def test_instruction_sets_convert_verify_and_train(mcit_assets, tmp_path):
     res = launch(["--config", str(cfg)], launcher="python")
     assert res.returncode == 0, res.stderr[-3000:]
     m = json.loads((tmp_path / "runs" / "real_formats" / "metrics.json").read_text())
-    assert m["complete"] and m["test_counts"] == [3, 2]
+    assert m["complete"] and m["test_counts"] == [3, 3, 2]
 
 
 def test_bad_instruction_inputs_name_the_record_and_file(tmp_path):
