@@ -133,5 +133,12 @@ def all_ok(ok: bool) -> bool:
 
 
 def shutdown() -> None:
+    """Tear the group down once every rank got here (the success path).
+
+    Without the barrier a rank that finishes first destroys its gloo context while a peer is still
+    talking to it, and the peer can die in C++ ("terminate called without an active exception",
+    SIGABRT) after its work is done, seen in CI on the 2-rank tests.
+    """
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()

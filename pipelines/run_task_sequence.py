@@ -62,7 +62,6 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if dist.is_main():
         print(summary_text(metrics, plan.run_dir))
-    dist.barrier()
     dist.shutdown()
     return 0
 
