@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data_prep.common import RecordError, build_cil, check_unique, cil_arguments, png_bytes, run_cli
+from data_prep.common import RecordError, build_cil, check_unique, cil_arguments, cil_summary, png_bytes, run_cli
 from mcit.data.shards import DataError
 
 
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
                        out="data/shards/cifar100")
     return run_cli(ap, argv, lambda a: build(a.raw, a.out, classes_per_task=a.classes_per_task, seed=a.seed,
                                              shard_size=a.shard_size, workers=a.workers, on_error=a.on_error,
-                                             progress=not a.no_progress), "cifar100")
+                                             progress=not a.no_progress), cil_summary("cifar100"))
 
 
 if __name__ == "__main__":

@@ -239,16 +239,12 @@ def verify_tree(out: Path) -> int:
     return total
 
 
-def cil_arguments(doc: str, *, raw_help: str, classes_per_task: int, seed: int, out: str) -> Any:
-    """The argument parser every image CIL converter shares (plus its own options)."""
+def converter_arguments(doc: str) -> Any:
+    """The options every converter shares: shard size, workers, error policy, --verify, progress."""
     import argparse
 
     ap = argparse.ArgumentParser(description=doc.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="\n".join(doc.splitlines()[1:]))
-    ap.add_argument("--raw", type=Path, help=raw_help)
-    ap.add_argument("--out", type=Path, default=Path(out))
-    ap.add_argument("--classes-per-task", type=int, default=classes_per_task)
-    ap.add_argument("--seed", type=int, default=seed, help="class order: RandomState(seed).permutation")
     ap.add_argument("--shard-size", type=int, default=1000)
     ap.add_argument("--workers", type=int, default=1, help="processes encoding shards in parallel")
     ap.add_argument("--on-error", choices=["fail", "skip"], default="fail",
@@ -258,24 +254,44 @@ def cil_arguments(doc: str, *, raw_help: str, classes_per_task: int, seed: int, 
     return ap
 
 
-def run_cli(ap: Any, argv: list[str] | None, build: Callable[[Any], dict], name: str) -> int:
-    """Parse, then ``--verify`` or ``build(args)``; a DataError becomes one ``error:`` line and exit 2."""
+def cil_arguments(doc: str, *, raw_help: str, classes_per_task: int, seed: int, out: str) -> Any:
+    """The argument parser every image CIL converter shares (plus its own options)."""
+    ap = converter_arguments(doc)
+    ap.add_argument("--raw", type=Path, help=raw_help)
+    ap.add_argument("--out", type=Path, default=Path(out))
+    ap.add_argument("--classes-per-task", type=int, default=classes_per_task)
+    ap.add_argument("--seed", type=int, default=seed, help="class order: RandomState(seed).permutation")
+    return ap
+
+
+def cil_summary(name: str) -> Callable[[Any, dict], str]:
+    """The closing line of an image CIL conversion."""
+    def summary(args: Any, meta: dict) -> str:
+        order = meta.get("class_order") or []
+        return f"{name} at {args.out}: {len(meta.get('tasks', []))} tasks, class order {order[:10]}..."
+
+    return summary
+
+
+def run_cli(ap: Any, argv: list[str] | None, build: Callable[[Any], Any], summary: Callable[[Any, Any], str], *,
+            required: Sequence[str] = ("raw",), verify_fn: Callable[[Path], int] = verify_tree) -> int:
+    """Every converter's command: parse, then ``--verify`` or ``build(args)`` and print ``summary``;
+    a DataError becomes one ``error:`` line and exit status 2."""
     import sys
 
     args = ap.parse_args(argv)
     try:
         if args.verify:
-            n = verify_tree(args.verify)
+            n = verify_fn(args.verify)
             print(f"{args.verify}: every shard matches its manifest, {n} samples decode", file=sys.stderr)
             return 0
-        if getattr(args, "raw", None) is None and "raw" in vars(args):
-            ap.error("--raw is required (or use --verify)")
-        meta = build(args)
+        missing = [f"--{r.replace('_', '-')}" for r in required if getattr(args, r, None) is None]
+        if missing:
+            ap.error(f"{' and '.join(missing)} required (or use --verify)")
+        line = summary(args, build(args))
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    tasks = meta.get("tasks", [])
-    order = meta.get("class_order")
-    print(f"{name} at {args.out}: {len(tasks)} tasks" + (f", class order {order[:10]}..." if order else ""),
-          file=sys.stderr)
+    if line:
+        print(line, file=sys.stderr)
     return 0

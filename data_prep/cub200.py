@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from data_prep.common import RecordError, build_cil, check_unique, cil_arguments, run_cli
+from data_prep.common import RecordError, build_cil, check_unique, cil_arguments, cil_summary, run_cli
 from mcit.data.shards import DataError
 
 FILES = ("images.txt", "image_class_labels.txt", "train_test_split.txt", "classes.txt")
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
                        out="data/shards/cub200")
     return run_cli(ap, argv, lambda a: build(a.raw, a.out, classes_per_task=a.classes_per_task, seed=a.seed,
                                              shard_size=a.shard_size, workers=a.workers, on_error=a.on_error,
-                                             progress=not a.no_progress), "cub200")
+                                             progress=not a.no_progress), cil_summary("cub200"))
 
 
 if __name__ == "__main__":

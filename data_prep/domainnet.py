@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from data_prep.common import RecordError, build_cil, check_unique, cil_arguments, encode_image_file, run_cli
+from data_prep.common import (RecordError, build_cil, check_unique, cil_arguments, cil_summary, encode_image_file,
+                              run_cli)
 from mcit.data.shards import DataError
 
 
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
                      classes_per_task=a.classes_per_task, seed=a.seed, shard_size=a.shard_size, workers=a.workers,
                      on_error=a.on_error, progress=not a.no_progress)
 
-    return run_cli(ap, argv, _build, "domainnet")
+    return run_cli(ap, argv, _build, cil_summary("domainnet"))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from data_prep.common import IMAGE_EXTS, build_cil, check_unique, cil_arguments, run_cli
+from data_prep.common import IMAGE_EXTS, build_cil, check_unique, cil_arguments, cil_summary, run_cli
 from mcit.data.shards import DataError
 
 SUFFIXES = tuple(f".{e}" for e in IMAGE_EXTS)
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     return run_cli(ap, argv, lambda a: build(
         a.raw, a.out, classes_per_task=a.classes_per_task, seed=a.seed, split_seed=a.split_seed,
         train_list=a.train_list, test_list=a.test_list, class_names=a.class_names, shard_size=a.shard_size,
-        workers=a.workers, on_error=a.on_error, progress=not a.no_progress), "imagenet_r")
+        workers=a.workers, on_error=a.on_error, progress=not a.no_progress), cil_summary("imagenet_r"))
 
 
 if __name__ == "__main__":

@@ -288,34 +288,21 @@ def iter_split_files(folder: Path) -> Iterator[tuple[str, Path]]:
 
 def benchmark_main(benchmark: str, presets: list[TaskPreset], doc: str, argv: list[str] | None = None) -> int:
     """The command of one benchmark: ``--task NAME|all`` converts each task's train and test file."""
-    import argparse
     import sys
 
-    from data_prep.common import verify_tree
+    from data_prep.common import converter_arguments, run_cli
 
     by_name = {p.name: p for p in presets} | {p.folder.lower(): p for p in presets}
-    ap = argparse.ArgumentParser(description=doc.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog="\n".join(doc.splitlines()[1:]))
+    ap = converter_arguments(doc)
     ap.add_argument("--task", nargs="+", default=["all"], help=f"all, or some of: {', '.join(p.name for p in presets)}")
-    ap.add_argument("--instructions", type=Path, help=f"the folder holding <Task>/train.json and <Task>/test.json")
+    ap.add_argument("--instructions", type=Path, help="the folder holding <Task>/train.json and <Task>/test.json")
     ap.add_argument("--images", type=Path, help="the folder the records' 'image' paths are relative to")
     ap.add_argument("--annotations", nargs="*", default=[],
                     help="TASK=FILE: original annotation file joined on question_id into the test split")
     ap.add_argument("--out", type=Path, default=Path(f"data/shards/{benchmark}"))
-    ap.add_argument("--shard-size", type=int, default=1000)
-    ap.add_argument("--workers", type=int, default=1)
-    ap.add_argument("--on-error", choices=["fail", "skip"], default="fail")
     ap.add_argument("--limit", type=int, default=0, help="convert only the first N samples per split (0 = all)")
-    ap.add_argument("--verify", type=Path, metavar="OUT", help="re-check every split under OUT and exit")
-    ap.add_argument("--no-progress", action="store_true")
-    args = ap.parse_args(argv)
-    try:
-        if args.verify:
-            n = verify_tree(args.verify)
-            print(f"{args.verify}: every shard matches its manifest, {n} samples decode", file=sys.stderr)
-            return 0
-        if args.instructions is None:
-            ap.error("--instructions is required (or use --verify)")
+
+    def build(args: Any) -> None:
         names = [p.name for p in presets] if args.task == ["all"] else args.task
         unknown = [t for t in names if t.lower() not in by_name]
         if unknown:
@@ -341,7 +328,5 @@ def benchmark_main(benchmark: str, presets: list[TaskPreset], doc: str, argv: li
                               progress=not args.no_progress, task=preset.name, limit=args.limit)
             print(f"{preset.name}/{split}: {m['num_samples']} samples in {len(m['shards'])} shards "
                   f"(scorer {preset.scorer}, skipped {m['skipped'] + m['source_skipped']})", file=sys.stderr)
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+
+    return run_cli(ap, argv, build, lambda args, _: f"{benchmark} at {args.out}", required=("instructions",))

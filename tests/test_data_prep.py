@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import subprocess
 import sys
@@ -63,6 +62,7 @@ def test_cifar100_converts_verifies_and_orders_reproducibly(tmp_path):
             b = json.loads((tmp_path / "b" / f"task{t}" / s / "manifest.json").read_text())
             assert [x["sha256"] for x in a["shards"]] == [x["sha256"] for x in b["shards"]]  # byte-identical
     other = _run("--raw", raw, "--out", tmp_path / "c", "--classes-per-task", 2, "--seed", 4, "--shard-size", 4)
+    assert other.returncode == 0, other.stderr
     assert json.loads((tmp_path / "c" / "benchmark.json").read_text())["class_order"] != meta["class_order"]
     # a corrupted shard is caught by --verify
     shard = tmp_path / "a" / "task1" / "test" / "shard-000000.tar"
