@@ -52,10 +52,11 @@ def evaluate_tasks(method: Method, splits: list[Split], *, batch_size: int, poli
 def evaluate_generation(method: Method, splits: list[Split], *, batch_size: int, policy: str,
                         collates: list[Callable], scorers: list[str], max_new_tokens: int,
                         answers_dir: Any | None = None, progress: bool = False,
-                        desc: str = "eval") -> list[tuple[float, int]]:
+                        desc: str = "eval", file_ids: list[int] | None = None) -> list[tuple[float, int]]:
     """(summed score, count) per split. Each rank generates for its part of every split; the answers
-    are gathered to rank 0, which writes ``answers_dir/<i>.jsonl`` (key, question, references,
-    prediction, score) sorted by key, so scores can be recomputed without the model."""
+    are gathered to rank 0, which writes ``answers_dir/<task index>.jsonl`` (key, question, references,
+    prediction, score) sorted by key, so scores can be recomputed without the model. ``file_ids``: the
+    task index of each split (default its position)."""
     import json
 
     from mcit import scorers as S
@@ -83,7 +84,7 @@ def evaluate_generation(method: Method, splits: list[Split], *, batch_size: int,
                 bar.update(len(batch) * dist.world_size())
         gathered = sorted((r for part in dist.gather_objects(rows) for r in part), key=lambda r: r["key"])
         if dist.is_main() and answers_dir is not None:
-            atomic_write_text(answers_dir / f"{i}.jsonl", "".join(json.dumps(r) + "\n" for r in gathered))
+            atomic_write_text(answers_dir / f"{file_ids[i] if file_ids else i}.jsonl", "".join(json.dumps(r) + "\n" for r in gathered))
         out.append((float(sum(r["score"] for r in gathered)), len(gathered)))
     if bar is not None:
         bar.close()

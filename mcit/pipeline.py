@@ -52,10 +52,11 @@ class Plan:
     reference: Split | None = None  # data.reference, when the method needs it
 
 
-def preflight(cfg: RunConfig, base: Path | None = None) -> Plan:
+def preflight(cfg: RunConfig, base: Path | None = None, *, run_dir: Path | None = None) -> Plan:
     """Validate every input the run will read: DeepSpeed JSON, backbone directory, every shard.
 
-    Raises a one-line error (ConfigError / DataError / BackboneError) naming the file or key.
+    Raises a one-line error (ConfigError / DataError / BackboneError) naming the file or key. With
+    ``run_dir`` (evaluation of an existing run) the run directory is taken as given, not checked.
     """
     from mcit.models.mllm import check_model_source
     from mcit.models.vit import check_checkpoint_dir
@@ -104,8 +105,9 @@ def preflight(cfg: RunConfig, base: Path | None = None) -> Plan:
             raise ConfigError(f"data.tasks: task {s.name!r}: test labels {sorted(extra)} do not occur in its train split")
     names = [s.name for s in specs]
     sequence = TaskSequence.from_label_spaces(names, [tr.label_space for tr in train])
-    run_dir = cfg.resolved_run_dir()
-    check_run_dir(cfg, run_dir)
+    if run_dir is None:  # a training run: its directory must be new or hold this exact config
+        run_dir = cfg.resolved_run_dir()
+        check_run_dir(cfg, run_dir)
     return Plan(cfg, run_dir, names, train, test, sequence, scorers, reference)
 
 
@@ -172,28 +174,31 @@ class Pipeline:
         return rel
 
     # -- stages -------------------------------------------------------------------------------------
-    def _eval_row(self, desc: str, trained: int, tag: str) -> dict[str, Any]:
-        """Accuracy on every task after ``trained`` tasks (0 = zero-shot: every class allowed)."""
+    def _eval_row(self, desc: str, trained: int, tag: str, tasks: list[int] | None = None,
+                  answers_root: Path | None = None) -> dict[str, Any]:
+        """Accuracy on ``tasks`` (default every task) after ``trained`` tasks (0 = zero-shot: every
+        class allowed). Generated answers go to ``answers_root/<tag>`` (default eval/answers)."""
+        tasks = list(range(len(self.plan.test))) if tasks is None else tasks
+        tests = [self.plan.test[i] for i in tasks]
+        collates = [self._collate(i, train=False) for i in tasks]
         if self.plan.scorers is not None:
             from mcit.evaluation import evaluate_generation
 
+            scorers = [self.plan.scorers[i] for i in tasks]
             res = evaluate_generation(
-                self.method, self.plan.test, batch_size=self.cfg.eval.batch_size, policy=self.cfg.data.split,
-                collates=[self._collate(i, train=False) for i in range(len(self.plan.test))],
-                scorers=self.plan.scorers, max_new_tokens=self.cfg.eval.max_new_tokens,
-                answers_dir=self.run_dir / "eval" / "answers" / tag, progress=self.cfg.train.progress, desc=desc)
+                self.method, tests, batch_size=self.cfg.eval.batch_size, policy=self.cfg.data.split,
+                collates=collates, scorers=scorers, max_new_tokens=self.cfg.eval.max_new_tokens,
+                answers_dir=(answers_root or self.run_dir / "eval" / "answers") / tag,
+                progress=self.cfg.train.progress, desc=desc, file_ids=tasks)
             return {"score_sum": [c for c, _ in res], "total": [n for _, n in res],
-                    "acc": [100.0 * c / max(n, 1) for c, n in res], "scorers": self.plan.scorers}
+                    "acc": [100.0 * c / max(n, 1) for c, n in res], "scorers": scorers}
         allowed = None
         if self.cfg.eval.mask_unseen_classes and trained > 0:
             allowed = torch.zeros(self.plan.sequence.num_classes, dtype=torch.bool)
             for task in self.plan.sequence.tasks[:trained]:
                 allowed[list(task.classes)] = True
-        res = evaluate_tasks(self.method, self.plan.test, batch_size=self.cfg.eval.batch_size,
-                             policy=self.cfg.data.split,
-                             collates=[self._collate(i, train=False) for i in range(len(self.plan.test))],
-                             allowed_classes=allowed,
-                             progress=self.cfg.train.progress, desc=desc)
+        res = evaluate_tasks(self.method, tests, batch_size=self.cfg.eval.batch_size, policy=self.cfg.data.split,
+                             collates=collates, allowed_classes=allowed, progress=self.cfg.train.progress, desc=desc)
         return {"correct": [c for c, _ in res], "total": [n for _, n in res],
                 "acc": [100.0 * c / max(n, 1) for c, n in res]}
 
@@ -313,9 +318,19 @@ class Pipeline:
         return out
 
     # -- the loop -----------------------------------------------------------------------------------
-    def run(self) -> dict[str, Any]:
+    def build_model(self) -> None:
+        """Load the frozen backbone and build the method from the config (the same on every rank)."""
         from mcit.models.vit import load_backbone
 
+        dtype = torch.bfloat16 if self.cfg.train.precision == "bf16" else torch.float32
+        bb = self.cfg.backbone
+        options = {} if bb.kind == "vit" else {"quantization": bb.quantization, "max_length": bb.max_length}
+        self.backbone = load_backbone(bb.kind, bb.path, dtype, **options)
+        if bb.quantization == "none":  # bitsandbytes places quantized weights itself
+            self.backbone = self.backbone.to(dist.device())
+        self.method = self._build_method().to(dist.device())
+
+    def run(self) -> dict[str, Any]:
         if dist.is_main():
             self.run_dir.mkdir(parents=True, exist_ok=True)
             if not (self.run_dir / "config.yaml").is_file():
@@ -326,13 +341,7 @@ class Pipeline:
         self._load_state()
         self.logger = JsonlLogger(self.run_dir / "logs" / "train.jsonl" if dist.is_main() else None,
                                   self.run_dir / "logs" / "tb")
-        dtype = torch.bfloat16 if self.cfg.train.precision == "bf16" else torch.float32
-        bb = self.cfg.backbone
-        options = {} if bb.kind == "vit" else {"quantization": bb.quantization, "max_length": bb.max_length}
-        self.backbone = load_backbone(bb.kind, bb.path, dtype, **options)
-        if bb.quantization == "none":  # bitsandbytes places quantized weights itself
-            self.backbone = self.backbone.to(dist.device())
-        self.method = self._build_method().to(dist.device())
+        self.build_model()
         if self.state.get("method_state"):
             self.method.load_state_dict(load_state(self.run_dir / self.state["method_state"]))
             self._say(f"resuming {self.run_dir}: {len(self.state['completed'])} stages done")

@@ -13,6 +13,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 ENTRY = ROOT / "pipelines" / "run_task_sequence.py"
+EVALUATE = ROOT / "pipelines" / "evaluate.py"
 
 
 @pytest.fixture(scope="session")
@@ -70,17 +71,17 @@ def run_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def launch(args: list[str], launcher: str = "python", nproc: int = 1, timeout: int = 600,
+def launch(args: list[str], launcher: str = "python", nproc: int = 1, timeout: int = 600, entry: Path = ENTRY,
            **env: str) -> subprocess.CompletedProcess:
-    """Run the entry point under ``python``, ``deepspeed`` or ``torchrun``."""
+    """Run an entry point (default the task-sequence pipeline) under ``python``, ``deepspeed`` or ``torchrun``."""
     if launcher == "python":
-        cmd = [sys.executable, str(ENTRY)]
+        cmd = [sys.executable, str(entry)]
     elif launcher == "deepspeed":
         cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(nproc),
-               "--master_port", str(free_port()), str(ENTRY)]
+               "--master_port", str(free_port()), str(entry)]
     elif launcher == "torchrun":
         cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", str(nproc),
-               "--master_port", str(free_port()), str(ENTRY)]
+               "--master_port", str(free_port()), str(entry)]
     else:
         raise ValueError(launcher)
     return subprocess.run(cmd + args, cwd=ROOT, env=run_env(**env), capture_output=True, text=True,

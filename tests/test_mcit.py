@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, free_port, launch, mcit_config, run_env
+from conftest import EVALUATE, ROOT, free_port, launch, mcit_config, run_env
 from mcit import scorers as S
 from mcit.subspace import energy_basis, project_out, token_covariance
 
@@ -163,6 +163,13 @@ def test_two_process_zero3_sequence_of_the_tiny_llava(mcit_assets, tmp_path):
     for e in subs:  # the broadcast bases are bit-identical on both ranks
         assert len(e["state_sha256_per_rank"]) == 2 and len(set(e["state_sha256_per_rank"])) == 1
     assert subs[-1]["task_rank"] >= subs[-2]["task_rank"] > 0 and subs[0]["pretrained_rank"] > 0
+    # an evaluation-only pass of the ZeRO-3 run's exports on 1 process regenerates the same answers
+    r = launch(["--run", str(run), "--task-checkpoint", "1", "--batch-size", "5"], entry=EVALUATE)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads((run / "eval" / "evaluate" / "after_task_1.json").read_text())["acc"] == metrics["acc_matrix"][1]
+    for i in range(2):
+        assert (run / "eval" / "evaluate" / "answers" / "after_task_1" / f"{i}.jsonl").read_text() == \
+            (run / "eval" / "answers" / "after_task_1" / f"{i}.jsonl").read_text()
 
 
 def test_bad_mcit_inputs_fail_fast_with_one_line(mcit_assets, assets, tmp_path):

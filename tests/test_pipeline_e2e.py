@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import launch, tiny_config
+from conftest import EVALUATE, launch, tiny_config
 
 METRIC_KEYS = {"tasks", "acc_matrix", "final_avg_acc", "final_avg_acc_task_mean", "avg_incremental_acc",
                "forgetting", "bwt", "fwd"}
@@ -80,6 +80,45 @@ def test_killed_run_resumes_to_identical_metrics(assets, work, reference_run):
     ref = json.loads((ref_dir / "metrics.json").read_text())
     assert got["acc_matrix"] == ref["acc_matrix"]
     assert got["final_avg_acc"] == ref["final_avg_acc"]
+
+
+def _row(run_dir: Path, tag: str) -> list[float]:
+    return json.loads((run_dir / "eval" / "evaluate" / f"{tag}.json").read_text())["acc"]
+
+
+def test_evaluate_reproduces_the_stored_rows_on_another_world_size(reference_run):
+    """The exports of a 2-process run, evaluated by 1 process (another batch size) and by 2 processes,
+    give the run's accuracy-matrix rows exactly, and the training state is not touched."""
+    _, run_dir, _ = reference_run
+    m = json.loads((run_dir / "metrics.json").read_text())
+    before = {k: v for k, v in snapshot(run_dir).items() if not k.startswith("eval/evaluate")}
+    res = launch(["--run", str(run_dir), "--task-checkpoint", "all", "--zero-shot", "--batch-size", "7"],
+                 entry=EVALUATE)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert [_row(run_dir, f"after_task_{k}") for k in range(3)] == m["acc_matrix"]
+    assert _row(run_dir, "zero_shot") == m["zero_shot"]
+    assert "evaluated on 1 process" in res.stdout
+    assert {k: v for k, v in snapshot(run_dir).items() if not k.startswith("eval/evaluate")} == before
+    res = launch(["--run", str(run_dir), "--task-checkpoint", "1", "--tasks", "task0", "task2"], entry=EVALUATE,
+                 launcher="deepspeed", nproc=2)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert _row(run_dir, "after_task_1") == [m["acc_matrix"][1][0], m["acc_matrix"][1][2]]
+    res = launch(["--run", str(run_dir), "--task-checkpoint", "7"], entry=EVALUATE)
+    assert res.returncode == 2 and "no exported checkpoint after task 7 (exported: [0, 1, 2])" in res.stderr
+
+
+def test_evaluate_fills_in_a_lost_row(reference_run, work):
+    _, ref_dir, _ = reference_run
+    run_dir = work / "runs" / "lost_row"
+    shutil.copytree(ref_dir, run_dir)
+    ref = json.loads((ref_dir / "metrics.json").read_text())
+    (run_dir / "eval" / "after_task_1.json").unlink()
+    (run_dir / "metrics.json").unlink()
+    res = launch(["--run", str(run_dir), "--task-checkpoint", "1", "--write-rows"], entry=EVALUATE)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads((run_dir / "metrics.json").read_text())
+    assert got["acc_matrix"] == ref["acc_matrix"] and got["final_avg_acc"] == ref["final_avg_acc"] and got["complete"]
+    assert (run_dir / "state.json").read_text() == (ref_dir / "state.json").read_text()
 
 
 def test_plain_python_single_process_with_zero3(assets, work):
