@@ -8,7 +8,7 @@ not depend on ``eval.batch_size``.
 from __future__ import annotations
 
 import sys
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
