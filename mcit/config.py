@@ -105,6 +105,9 @@ class TrainConfig(_Strict):
     deepspeed_config: str = "deepspeed_configs/zero2.json"
     precision: Literal["fp32", "bf16"] = "fp32"
     progress: bool = True
+    collective_timeout_s: float = Field(
+        1800.0, gt=0, description="a collective that does not complete within this (a dead or stuck rank) ends the "
+                                  "run with an error naming the stage")
 
 
 class EvalConfig(_Strict):

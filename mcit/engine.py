@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 
 from mcit import distributed as dist
+from mcit import preemption
 from mcit.config import RunConfig
 from mcit.data.loader import global_valid, micro_steps_per_epoch, rank_counts, train_batches
 from mcit.data.shards import Split, atomic_write_text
@@ -103,13 +104,16 @@ class JsonlLogger:
             self.tb.close()
 
 
-def _fault_point() -> tuple[int, int] | None:
-    """Test hook: ``MCIT_FAULT_AT=task:step`` SIGKILLs every rank right after that optimizer step."""
+def _fault_point() -> tuple[int, int, int | None, int] | None:
+    """Test hook: ``MCIT_FAULT_AT=task:step[:rank[:SIGNAL]]`` sends SIGNAL (default SIGKILL) to every rank
+    (or only to ``rank``; ``*`` = every rank) right after that optimizer step."""
     v = os.environ.get("MCIT_FAULT_AT")
     if not v:
         return None
-    t, s = v.split(":")
-    return int(t), int(s)
+    parts = v.split(":")
+    who = int(parts[2]) if len(parts) > 2 and parts[2] != "*" else None
+    sig = signal.Signals[f"SIG{parts[3]}"] if len(parts) > 3 else signal.SIGKILL
+    return int(parts[0]), int(parts[1]), who, sig
 
 
 def _master(p: torch.nn.Parameter) -> torch.Tensor:
@@ -220,9 +224,10 @@ def train_step(engine: Any, batch: Any, scale: float) -> tuple[Any, bool]:
 class TaskTrainer:
     """Trains one task; used by the pipeline's train stage and by bench/."""
 
-    def __init__(self, cfg: RunConfig, logger: JsonlLogger | None = None) -> None:
+    def __init__(self, cfg: RunConfig, logger: JsonlLogger | None = None, run_dir: Path | None = None) -> None:
         self.cfg = cfg
         self.logger = logger or JsonlLogger(None)
+        self.run_dir = run_dir  # where a PREEMPT request file may appear (mcit.preemption)
 
     def train(
         self,
@@ -297,12 +302,20 @@ class TaskTrainer:
                            **terms.logs, "time": time.time()}
                     self.logger.log(rec, step=gstep)
                     loss_sum, valid_sum = 0.0, 0.0
-                if gstep % t.checkpoint_every == 0 and gstep < total_opt_steps:
-                    nxt_epoch, nxt = (epoch, s + 1) if s + 1 < steps_epoch else (epoch + 1, 0)
+                nxt_epoch, nxt = (epoch, s + 1) if s + 1 < steps_epoch else (epoch + 1, 0)
+                saved = gstep % t.checkpoint_every == 0 and gstep < total_opt_steps
+                if saved:
                     self._save_step(engine, step_dir, gstep, nxt_epoch, nxt, world)
-                if fault == (task, gstep):
-                    dist.barrier()
-                    os.kill(os.getpid(), signal.SIGKILL)
+                if fault is not None and fault[:2] == (task, gstep) and fault[2] in (None, rank):
+                    if fault[2] is None:
+                        dist.barrier()
+                    os.kill(os.getpid(), fault[3])
+                if preemption.agreed(self.run_dir):
+                    if not saved:
+                        self._save_step(engine, step_dir, gstep, nxt_epoch, nxt, world)
+                    if bar is not None:
+                        bar.close()
+                    raise preemption.Preempted(f"task {task}, optimizer step {gstep} (step checkpoint committed)")
         if bar is not None:
             bar.close()
         state = consolidated_state(engine, stage)

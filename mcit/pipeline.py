@@ -22,6 +22,7 @@ import torch
 
 from mcit import distributed as dist
 from mcit import metrics as M
+from mcit import preemption
 from mcit.checkpoint import load_state, read_json, save_state, write_json
 from mcit.config import ConfigError, RunConfig, dump_config
 from mcit.data.shards import Split, open_split
@@ -36,6 +37,18 @@ STATE = "state.json"
 
 class RunDirError(ValueError):
     """The run directory belongs to a different run; one line."""
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out (a dead or stuck rank); names the stage."""
+
+
+def _is_collective_failure(e: BaseException) -> bool:
+    if isinstance(e, getattr(torch.distributed, "DistError", ())):
+        return True
+    text = str(e).lower()
+    return any(w in text for w in ("gloo", "nccl", "timed out", "connection closed", "connection reset",
+                                   "broken pipe", "socket"))
 
 
 @dataclass
@@ -212,7 +225,7 @@ class Pipeline:
     def stage_train(self, t: int) -> None:
         self.method.set_task(t)
         step_dir = self.run_dir / "checkpoints" / f"task_{t}" / "steps"
-        trainer = TaskTrainer(self.cfg, self.logger)
+        trainer = TaskTrainer(self.cfg, self.logger, self.run_dir)
         state = trainer.train(self.method, t, self.plan.train[t], self._collate(t, train=True), step_dir)
         self._reload(state)
         self.method.set_task(t)
@@ -348,14 +361,26 @@ class Pipeline:
         keys = (["reference"] if self.plan.reference is not None else []) + (
             ["zero_shot"] if self.cfg.eval.zero_shot else []) + [
             f"{t}/{s}" for t in range(len(self.plan.names)) for s in STAGES]
+        if dist.is_main():
+            preemption.clear(self.run_dir)  # a request that stopped an earlier job is done with
+        dist.barrier()
         for key in keys:
             if key in self.state["completed"]:
                 continue
-            if key in ("zero_shot", "reference"):
-                getattr(self, f"stage_{key}")()
-                continue
-            t, stage = key.split("/")
-            getattr(self, f"stage_{stage}")(int(t))
+            if preemption.agreed(self.run_dir):
+                raise preemption.Preempted(f"before stage {key} (stages up to it committed)")
+            try:
+                if key in ("zero_shot", "reference"):
+                    getattr(self, f"stage_{key}")()
+                    continue
+                t, stage = key.split("/")
+                getattr(self, f"stage_{stage}")(int(t))
+            except RuntimeError as e:
+                if _is_collective_failure(e):
+                    raise CollectiveError(f"stage {key}: a collective did not complete on rank {dist.rank()} "
+                                          f"({str(e).strip().splitlines()[0][:300]}); another rank died or hangs "
+                                          f"(train.collective_timeout_s={self.cfg.train.collective_timeout_s:g})") from None
+                raise
             if stage == "commit" and dist.is_main():
                 acc, _, _ = self.rows(int(t) + 1)
                 self._say(f"task {t} ({self.plan.names[int(t)]}) committed: acc on seen tasks "

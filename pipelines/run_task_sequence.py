@@ -54,10 +54,20 @@ def main(argv: list[str] | None = None) -> int:
 
     from mcit import distributed as dist
 
-    dist.init()
+    from mcit import preemption
+    from mcit.pipeline import CollectiveError
+
+    dist.init(timeout_s=cfg.train.collective_timeout_s)
+    preemption.install()
     try:
         metrics = Pipeline(plan).run()
-    except (DataError, BackboneError) as e:
+    except preemption.Preempted as e:
+        if dist.is_main():
+            print(f"preempted at {e}; resume with the same command (exit code {preemption.RESUME_EXIT_CODE})",
+                  file=sys.stderr)
+        dist.shutdown()
+        return preemption.RESUME_EXIT_CODE
+    except (DataError, BackboneError, CollectiveError) as e:
         print(f"error (rank {dist.rank()}): {e}", file=sys.stderr)
         return 1
     if dist.is_main():

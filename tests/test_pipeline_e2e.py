@@ -82,6 +82,48 @@ def test_killed_run_resumes_to_identical_metrics(assets, work, reference_run):
     assert got["final_avg_acc"] == ref["final_avg_acc"]
 
 
+def test_preempted_run_commits_its_step_and_resumes_to_identical_metrics(assets, work, reference_run):
+    """SIGUSR1 to one rank mid-task: every rank stops after the same step, the step checkpoint is
+    committed, the run exits 75 ("resume me"), and the re-run ends with the uninterrupted metrics."""
+    _, ref_dir, _ = reference_run
+    cfg = tiny_config(assets, work, "preempt")
+    run_dir = work / "runs" / "preempt"
+    res = launch(["--config", str(cfg)], launcher="deepspeed", nproc=2, MCIT_FAULT_AT="1:4:1:USR1")
+    assert res.returncode == 75, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "preempted at task 1, optimizer step 4" in res.stderr
+    committed = json.loads((run_dir / "checkpoints/task_1/steps/committed.json").read_text())
+    assert committed["global_step"] == 4  # checkpoint_every=3: step 4 was saved for the preemption
+    (run_dir / "PREEMPT").write_text("left by the job that was preempted\n")  # cleared on resume
+    res = launch(["--config", str(cfg)], launcher="deepspeed", nproc=2)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    got = json.loads((run_dir / "metrics.json").read_text())
+    assert got["acc_matrix"] == json.loads((ref_dir / "metrics.json").read_text())["acc_matrix"]
+    assert not (run_dir / "PREEMPT").exists()
+
+
+def test_dead_rank_ends_the_run_within_the_timeout_naming_the_stage(assets, work):
+    """Two processes with no launcher to clean up: rank 1 is killed after step 2 of task 1; rank 0's
+    next collective fails and the run stops with an error naming the stage, well within the timeout."""
+    import subprocess
+    import sys
+    import time
+
+    from conftest import ENTRY, ROOT, free_port, run_env
+
+    cfg = tiny_config(assets, work, "deadrank", train={"collective_timeout_s": 60})
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, str(ENTRY), "--config", str(cfg)], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env=run_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                                          MASTER_PORT=port, MCIT_FAULT_AT="1:2:1"))
+             for r in range(2)]
+    t0 = time.time()
+    out0, err0 = procs[0].communicate(timeout=300)
+    procs[1].communicate(timeout=60)
+    assert procs[1].returncode == -9
+    assert procs[0].returncode == 1, err0[-2000:]
+    assert "stage 1/train: a collective did not complete on rank 0" in err0
+    assert time.time() - t0 < 200
 def _row(run_dir: Path, tag: str) -> list[float]:
     return json.loads((run_dir / "eval" / "evaluate" / f"{tag}.json").read_text())["acc"]
 
