@@ -1,6 +1,7 @@
 """Process-group set-up and the few collectives the pipeline needs.
 
-The same entry point runs under the deepspeed launcher, torchrun, Slurm's srun, or plain ``python``
+The same entry point runs under the deepspeed launcher, torchrun, Slurm's srun (``srun -n N python ...``:
+ranks from SLURM_PROCID / SLURM_NTASKS), or plain ``python``
 (one process): whatever the launcher, we end with an initialised torch.distributed group, nccl when
 CUDA is present and gloo otherwise.
 """
@@ -51,11 +52,27 @@ def prepare_extension_dir(stale_after_s: float | None = None) -> Path:
     return root
 
 
+def _from_srun() -> None:
+    """Processes started directly by ``srun -n N python ...``: ranks from SLURM_PROCID / SLURM_NTASKS,
+    the master from the step's first host (or MASTER_ADDR), a port every task derives the same way."""
+    import subprocess
+
+    env = os.environ
+    if "MASTER_ADDR" not in env:
+        hosts = subprocess.run(["scontrol", "show", "hostnames", env["SLURM_STEP_NODELIST"]], capture_output=True,
+                               text=True, check=True).stdout.split()
+        env["MASTER_ADDR"] = hosts[0]
+    env.setdefault("MASTER_PORT", str(20000 + (int(env["SLURM_JOB_ID"]) * 31 + int(env["SLURM_STEP_ID"])) % 20000))
+    env.update(RANK=env["SLURM_PROCID"], WORLD_SIZE=env["SLURM_NTASKS"], LOCAL_RANK=env.get("SLURM_LOCALID", "0"))
+
+
 def init(timeout_s: float = 1800.0) -> None:
     """Initialise the default process group from launcher environment variables (idempotent)."""
     if dist.is_initialized():
         return
     prepare_extension_dir()
+    if "RANK" not in os.environ and "SLURM_STEP_ID" in os.environ and int(os.environ.get("SLURM_NTASKS", 1)) > 1:
+        _from_srun()
     if "RANK" not in os.environ:
         # Plain `python script.py`: one process, talking to itself.
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")

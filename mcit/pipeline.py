@@ -131,7 +131,8 @@ def check_run_dir(cfg: RunConfig, run_dir: Path) -> None:
         raise RunDirError(
             f"run directory {run_dir} holds a run with a different config ({existing}); "
             f"use another run_dir (e.g. run_dir={run_dir}_2) or restore the original config")
-    if run_dir.exists() and not existing.is_file() and any(run_dir.iterdir()):
+    # logs/ alone may be there already: the Slurm job scripts put the launcher's per-rank logs in it
+    if run_dir.exists() and not existing.is_file() and any(p.name != "logs" for p in run_dir.iterdir()):
         raise RunDirError(f"run directory {run_dir} exists, is not empty and has no config.yaml; refusing to write into it")
 
 

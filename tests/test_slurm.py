@@ -1,0 +1,172 @@
+"""The project's own Slurm job scripts, unchanged, on a real Slurm (Debian's slurm-wlm on localhost, two
+simulated nodes): one node with 2 ranks, two nodes with one rank each (deepspeed and srun + torchrun),
+and a job that gets USR1 mid-training, commits a step checkpoint, requeues itself and finishes with the
+uninterrupted run's metrics. Skipped, with the reason, where Slurm cannot be installed or run."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, run_env, tiny_config
+
+CLUSTER = Path(__file__).parent / "slurm" / "cluster.sh"
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    """Install slurm-wlm if needed (skip, with the reason, where that is impossible), then bring a 2-node
+    cluster up; a cluster that installs but does not come up is a failure, not a skip."""
+    import tempfile
+
+    if shutil.which("slurmctld") is None:
+        if os.geteuid() != 0 or shutil.which("apt-get") is None:
+            pytest.skip("a localhost Slurm needs root and Debian's apt-get to install slurm-wlm")
+        inst = subprocess.run("DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm || "
+                              "(apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm)",
+                              shell=True, capture_output=True, text=True, timeout=900)
+        if shutil.which("slurmctld") is None:
+            pytest.skip(f"slurm-wlm could not be installed: {inst.stderr.strip()[-300:]}")
+    d = Path(tempfile.mkdtemp(prefix="mcit-slurm-", dir="/tmp"))  # munged needs o+x on every parent
+    up = subprocess.run(["bash", str(CLUSTER), "up", str(d), "2"], capture_output=True, text=True, timeout=600)
+    assert up.returncode == 0, f"localhost Slurm did not come up: {up.stdout[-1000:]} {up.stderr[-2000:]}"
+    env = run_env(SLURM_CONF=up.stdout.strip().splitlines()[-1], MCIT_PYTHON=sys.executable)
+    for k in [k for k in env if k.startswith("SLURM_") and k != "SLURM_CONF"]:
+        env.pop(k)  # a test run inside a Slurm job must not leak that job's variables
+    try:
+        yield {"env": env, "dir": d}
+    finally:
+        subprocess.run(["bash", str(CLUSTER), "down", str(d)], capture_output=True, text=True, timeout=300)
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _sbatch(slurm, script: str, config: Path, *opts: str, **env: str) -> int:
+    out = subprocess.run(["sbatch", "--parsable", "--output", str(slurm["dir"] / "slurm-%j.out"), *opts,
+                          str(ROOT / "pipelines" / "slurm" / script), str(config)], cwd=ROOT,
+                         env={**slurm["env"], **env}, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return int(out.stdout.strip().split(";")[0])
+
+
+def _job(slurm, job: int) -> dict[str, str]:
+    out = subprocess.run(["scontrol", "show", "job", str(job)], env=slurm["env"], capture_output=True, text=True)
+    return dict(re.findall(r"(\w+)=(\S*)", out.stdout))
+
+
+def _wait(slurm, job: int, timeout: float = 400, until=("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")) -> dict:
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        info = _job(slurm, job)
+        if info.get("JobState") in until:
+            return info
+        time.sleep(0.5)
+    raise AssertionError(f"job {job} still {_job(slurm, job).get('JobState')} after {timeout} s:\n"
+                         + _log(slurm, job)[-3000:])
+
+
+def _log(slurm, job: int) -> str:
+    p = slurm["dir"] / f"slurm-{job}.out"
+    return p.read_text() if p.is_file() else ""
+
+
+def _metrics(run_dir: Path) -> dict:
+    return json.loads((run_dir / "metrics.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def slurm_config(assets, tmp_path_factory):
+    """2 tasks, 6 epochs: long enough (about 130 optimizer steps) to be signalled mid-training."""
+    work = tmp_path_factory.mktemp("slurm_runs")
+    return lambda name: tiny_config(assets, work, name, data={"tasks": ["task0", "task1"]},
+                                    train={"epochs": 6, "log_every": 1}), work
+
+
+@pytest.fixture(scope="module")
+def one_node_run(slurm, slurm_config):
+    make, work = slurm_config
+    job = _sbatch(slurm, "one_node.sbatch", make("one_node"), MCIT_GPUS_PER_NODE="2")
+    info = _wait(slurm, job)
+    assert info["JobState"] == "COMPLETED", _log(slurm, job)[-3000:]
+    return job, work / "runs" / "one_node"
+
+
+def test_one_node_script_runs_the_sequence(slurm, one_node_run):
+    job, run_dir = one_node_run
+    m = _metrics(run_dir)
+    assert m["complete"] and m["acc_matrix"][0][0] > 50.0
+    log = _log(slurm, job)
+    assert f"job {job} (restart 0)" in log and "1 node(s) x 2 rank(s)" in log and "mcit: run finished" in log
+    ranks = run_dir / "logs" / "ranks" / f"job{job}_restart0"
+    assert len(list(ranks.glob("*"))) >= 2  # one log per rank
+    print(f"\n== job {job} (one node, 2 ranks): acc_matrix {m['acc_matrix']}, final_avg_acc {m['final_avg_acc']:.2f}")
+
+
+@pytest.mark.parametrize("launcher", ["deepspeed", "torchrun"])
+def test_multi_node_script_on_two_nodes_matches_one_node(slurm, slurm_config, one_node_run, launcher):
+    """2 nodes x 1 rank: the same world size as the one-node run, so the same data order and metrics."""
+    make, work = slurm_config
+    job = _sbatch(slurm, "multi_node.sbatch", make(f"two_nodes_{launcher}"), "-N", "2", MCIT_LAUNCHER=launcher)
+    info = _wait(slurm, job)
+    assert info["JobState"] == "COMPLETED", _log(slurm, job)[-3000:]
+    assert info["NodeList"] == "n[1-2]" and "2 node(s) x 1 rank(s), master n1" in _log(slurm, job)
+    got = _metrics(work / "runs" / f"two_nodes_{launcher}")
+    assert got["acc_matrix"] == _metrics(one_node_run[1])["acc_matrix"]
+    print(f"\n== job {job} ({launcher}, NodeList {info['NodeList']}): acc_matrix {got['acc_matrix']}, "
+          f"final_avg_acc {got['final_avg_acc']:.2f}")
+
+
+def test_usr1_mid_training_checkpoints_requeues_and_resumes(slurm, slurm_config, one_node_run):
+    make, work = slurm_config
+    run_dir = work / "runs" / "preempted"
+    job = _sbatch(slurm, "one_node.sbatch", make("preempted"), MCIT_GPUS_PER_NODE="2")
+    log_file = run_dir / "logs" / "train.jsonl"
+    t0 = time.time()
+    while not (log_file.is_file() and '"step": 3' in log_file.read_text()):  # task 0 is training
+        assert time.time() - t0 < 300 and _job(slurm, job).get("JobState") in ("PENDING", "RUNNING"), _log(slurm, job)
+        time.sleep(0.1)
+    sig = subprocess.run(["scancel", "--signal=USR1", "--batch", str(job)], env=slurm["env"], capture_output=True,
+                         text=True)
+    assert sig.returncode == 0, sig.stderr
+    info = _wait(slurm, job, until=("PENDING", "COMPLETED", "FAILED", "CANCELLED"))
+    while info.get("Restarts") == "0" and info["JobState"] != "FAILED":
+        time.sleep(0.5)
+        info = _job(slurm, job)
+    assert info["Restarts"] == "1", _log(slurm, job)[-3000:]
+    log = _log(slurm, job)
+    assert "got a stop signal" in log and "exits with return code = 75" in log and f"requeueing job {job}" in log
+    rank0 = "".join(p.read_text() for p in (run_dir / "logs" / "ranks" / f"job{job}_restart0").glob("*rank0*"))
+    m = re.search(r"preempted at task (\d+), optimizer step (\d+) \(step checkpoint committed\)", rank0)
+    assert m, rank0[-3000:]
+    committed = json.loads((run_dir / f"checkpoints/task_{m.group(1)}/steps/committed.json").read_text())
+    assert committed["global_step"] == int(m.group(2))
+    # a requeued job waits ~2 minutes (BeginTime); start it now
+    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm["env"], check=True)
+    info = _wait(slurm, job)
+    assert info["JobState"] == "COMPLETED", _log(slurm, job)[-3000:]
+    log = _log(slurm, job)
+    assert f"job {job} (restart 1)" in log and "mcit: run finished" in log
+    assert _metrics(run_dir)["acc_matrix"] == _metrics(one_node_run[1])["acc_matrix"]
+    print(f"\n== job {job}: USR1 at task {m.group(1)} step {m.group(2)}, Restarts={info['Restarts']}, "
+          f"acc_matrix {_metrics(run_dir)['acc_matrix']}\n" + "\n".join(
+              line for line in log.splitlines() if line.startswith("mcit:") or "return code" in line))
+
+
+def test_evaluate_under_srun_on_two_nodes_reproduces_the_rows(slurm, one_node_run):
+    """pipelines/evaluate.py started by ``srun -N2 -n2`` directly (ranks from SLURM_PROCID): the
+    one-node run's rows, evaluated on two nodes."""
+    _, run_dir = one_node_run
+    r = subprocess.run(["srun", "-N", "2", "-n", "2", sys.executable, str(ROOT / "pipelines" / "evaluate.py"),
+                        "--run", str(run_dir), "--task-checkpoint", "all"], cwd=ROOT, env=slurm["env"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "evaluated on 2 process(es)" in r.stdout
+    rows = [json.loads((run_dir / "eval" / "evaluate" / f"after_task_{k}.json").read_text()) for k in range(2)]
+    assert [row["acc"] for row in rows] == _metrics(run_dir)["acc_matrix"] and rows[0]["world_size"] == 2
