@@ -1,6 +1,7 @@
 #!/bin/bash
 # A throw-away Slurm cluster on localhost for the tests: Debian's slurm-wlm as root, no systemd or cgroups,
-# N simulated nodes (n1..nN, multiple-slurmd) or one node named after this host.
+# N simulated nodes (n1..nN, multiple-slurmd) or one node named after this host. cred_expire=10: a requeued
+# job may start again after 10 s instead of the default 120 s (the credential lifetime is also the requeue delay).
 #   cluster.sh up DIR [N]   install slurm-wlm if needed, start munged, slurmctld and N slurmd; print SLURM_CONF
 #   cluster.sh down DIR     cancel jobs, stop slurmd, slurmctld, munged (in that order), drop the /etc/hosts lines
 set -euo pipefail
@@ -32,7 +33,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket=$D/munge.socket
+AuthInfo=socket=$D/munge.socket,cred_expire=10
 StateSaveLocation=$D/state
 SlurmdSpoolDir=$D/spool/%n
 SlurmctldPidFile=$D/slurmctld.pid
