@@ -37,6 +37,8 @@ def slurm():
             pytest.skip(f"slurm-wlm could not be installed: {inst.stderr.strip()[-300:]}")
     d = Path(tempfile.mkdtemp(prefix="mcit-slurm-", dir="/tmp"))  # munged needs o+x on every parent
     up = subprocess.run(["bash", str(CLUSTER), "up", str(d), "2"], capture_output=True, text=True, timeout=600)
+    if up.returncode != 0:  # stop what did start and drop the /etc/hosts lines before failing
+        subprocess.run(["bash", str(CLUSTER), "down", str(d)], capture_output=True, text=True, timeout=300)
     assert up.returncode == 0, f"localhost Slurm did not come up: {up.stdout[-1000:]} {up.stderr[-2000:]}"
     env = run_env(SLURM_CONF=up.stdout.strip().splitlines()[-1], MCIT_PYTHON=sys.executable)
     for k in [k for k in env if k.startswith("SLURM_") and k != "SLURM_CONF"]:
