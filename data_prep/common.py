@@ -140,9 +140,6 @@ def png_bytes(image: Any) -> bytes:
 # --------------------------------------------------------------------------------------------------
 # Class-incremental benchmarks: records of (id, label, payload) cut into tasks by a seeded class order
 
-IMAGE_EXTS = ("png", "jpg", "jpeg")
-
-
 def class_order(num_classes: int, seed: int) -> list[int]:
     """``numpy.random.RandomState(seed).permutation(C)``: the convention of the iCaRL-derived code bases
     (seed 1993 gives their CIFAR-100 order); recorded in every manifest."""

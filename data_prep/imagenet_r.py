@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from data_prep.common import IMAGE_EXTS, build_cil, check_unique, cil_arguments, cil_summary, run_cli
+from data_prep.common import build_cil, check_unique, cil_arguments, cil_summary, run_cli
+from mcit.data.instructions import IMAGE_EXTS
 from mcit.data.shards import DataError
 
 SUFFIXES = tuple(f".{e}" for e in IMAGE_EXTS)

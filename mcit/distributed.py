@@ -27,6 +27,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def default_accelerator() -> None:
+    """DeepSpeed's accelerator for the entry points, set before DeepSpeed is imported: cuda where CUDA
+    is available, else cpu (an explicit DS_ACCELERATOR wins)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+
+
 def prepare_extension_dir(stale_after_s: float | None = None) -> Path:
     """Give DeepSpeed's JIT-built ops (shm comm, cpu_adam) a build directory of this environment's own
     and remove build locks left by killed builds.

@@ -20,8 +20,6 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
-import torch
-
 RESUME_EXIT_CODE = 75
 FILE = "PREEMPT"
 
@@ -62,6 +60,4 @@ def agreed(run_dir: Path | None) -> bool:
     """True on every rank iff some rank has a request (one small all-reduce)."""
     from mcit import distributed as dist
 
-    t = torch.tensor([1 if local_request(run_dir) else 0], dtype=torch.int64)
-    dist.all_reduce_sum(t)
-    return int(t.item()) > 0
+    return not dist.all_ok(local_request(run_dir) is None)

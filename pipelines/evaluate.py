@@ -45,7 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     rank0 = os.environ.get("RANK", "0") == "0"
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from mcit.distributed import default_accelerator
+
+    default_accelerator()
 
     from mcit.config import ConfigError, load_config
     from mcit.data.shards import DataError

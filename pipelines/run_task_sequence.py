@@ -26,7 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=0.01")
     args = ap.parse_args(argv)
-    os.environ.setdefault("DS_ACCELERATOR", "cpu" if not _cuda() else "cuda")
+    from mcit.distributed import default_accelerator
+
+    default_accelerator()
 
     from mcit.config import ConfigError, load_config
     from mcit.data.shards import DataError
@@ -74,15 +76,6 @@ def main(argv: list[str] | None = None) -> int:
         print(summary_text(metrics, plan.run_dir))
     dist.shutdown()
     return 0
-
-
-def _cuda() -> bool:
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except ImportError:
-        return False
 
 
 if __name__ == "__main__":
