@@ -5,7 +5,8 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 NPROC  ?= 2
 DEMO_CONFIGS ?= configs/tiny_mcit_prompt_tuning.yaml configs/tiny_mcit_fwd_prompt.yaml configs/tiny_mcit_lora.yaml
-CIL_CONFIGS  ?= configs/digits_seq.yaml configs/digits_l2p.yaml
+CIL_METHODS  ?= seq l2p l2p_pgp dualprompt dualprompt_pgp coda_prompt hide_prompt norga vpt_nsp2
+CIL_CONFIGS  ?= $(foreach m,$(CIL_METHODS),configs/digits_$(m).yaml)
 RUN := PATH=$(abspath $(BIN)):$$PATH DS_ACCELERATOR=cpu CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1
 
 .PHONY: install data data-cil demo demo-cil test bench clean
@@ -33,7 +34,8 @@ demo: data
 	done
 	$(BIN)/python -m mcit.report $(foreach c,$(DEMO_CONFIGS),runs/$(basename $(notdir $(c))))
 
-# The class-incremental demo: digits shards, the tiny ViT pre-trained on procedural shapes, seq and L2P.
+# The class-incremental demo: digits shards, the tiny ViT pre-trained on procedural shapes, every CIL method
+# (2 CPU ranks each), then one comparison table.
 data-cil: install
 	$(BIN)/python -m data_prep.digits --out data/shards/digits
 	OMP_NUM_THREADS=$(NPROC) $(BIN)/python -m data_prep.pretrain_vit --out data/backbones/tiny_vit_procedural

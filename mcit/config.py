@@ -100,6 +100,10 @@ class TrainConfig(_Strict):
     weight_decay: float = Field(0.0, ge=0)
     momentum: float = Field(0.9, ge=0)
     grad_clip: float = Field(0.0, ge=0, description="0 disables clipping")
+    lr_schedule: Literal["constant", "cosine", "multistep"] = Field(
+        "constant", description="per-epoch learning-rate schedule within each task (restarts every task)")
+    lr_milestones: list[int] = Field(default_factory=list, description="multistep: epochs where lr *= lr_decay")
+    lr_decay: float = Field(0.1, gt=0, le=1)
     checkpoint_every: int = Field(50, ge=1, description="optimizer steps between step checkpoints")
     log_every: int = Field(10, ge=1)
     deepspeed_config: str = "deepspeed_configs/zero2.json"

@@ -60,7 +60,8 @@ def build_ds_config(cfg: RunConfig, world: int) -> dict[str, Any]:
     return ds
 
 
-def make_optimizer(cfg: RunConfig, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+def make_optimizer(cfg: RunConfig, params: list) -> torch.optim.Optimizer:
+    """The run's torch optimizer over ``params`` (tensors, or groups with their own ``lr``)."""
     t = cfg.train
     if t.optimizer == "adam":
         return torch.optim.Adam(params, lr=t.lr, weight_decay=t.weight_decay)
@@ -182,13 +183,26 @@ def consolidated_state(engine: Any, stage: int) -> dict[str, torch.Tensor]:
     return state
 
 
-def setup_engine(cfg: RunConfig, method: Method, world: int) -> tuple[Any, int]:
+def lr_factor(cfg: RunConfig, step: int, steps_per_epoch: int) -> float:
+    """``train.lr_schedule`` at optimizer step ``step`` (epoch-wise, as the papers' timm schedulers)."""
+    t = cfg.train
+    epoch = step // max(steps_per_epoch, 1)
+    if t.lr_schedule == "cosine":
+        return 0.5 * (1 + math.cos(math.pi * min(epoch, t.epochs) / t.epochs))
+    if t.lr_schedule == "multistep":
+        return t.lr_decay ** sum(1 for m in t.lr_milestones if epoch >= m)
+    return 1.0
+
+
+def setup_engine(cfg: RunConfig, method: Method, world: int, steps_per_epoch: int = 1) -> tuple[Any, int]:
     """deepspeed.initialize over the method's trainable parameters; returns (engine, ZeRO stage)."""
     import deepspeed
 
-    params = method.trainable_parameters()
-    if not params:
+    if not method.trainable_parameters():
         raise RuntimeError(f"method {method.name} has no trainable parameters")
+    params = [{"params": [p for p in g["params"] if p.requires_grad], "lr": cfg.train.lr * g.get("lr_scale", 1.0)}
+              for g in method.param_groups()]
+    params = [g for g in params if g["params"]]
     ds_cfg = build_ds_config(cfg, world)
     stage = int(ds_cfg.get("zero_optimization", {}).get("stage", 0))
     kwargs: dict[str, Any] = {"model": method, "config": ds_cfg}
@@ -196,6 +210,9 @@ def setup_engine(cfg: RunConfig, method: Method, world: int) -> tuple[Any, int]:
         kwargs["model_parameters"] = params
     else:
         kwargs["optimizer"] = make_optimizer(cfg, params)
+    if cfg.train.lr_schedule != "constant":
+        kwargs["lr_scheduler"] = lambda opt: torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda step: lr_factor(cfg, step, steps_per_epoch))
     engine, _, _, _ = deepspeed.initialize(**kwargs)
     return engine, stage
 
@@ -243,7 +260,13 @@ class TaskTrainer:
         method.to(device)
         method.backbone.to(device)
         method.before_task(task)
-        engine, stage = setup_engine(cfg, method, world)
+        policy, B, gas = cfg.data.split, t.batch_size, t.grad_accum
+        steps_epoch = micro_steps_per_epoch(split, world, B, gas, policy)
+        counts = rank_counts(split, world, policy)
+        live_windows = sum(1 for w0 in range(0, steps_epoch, gas)
+                           if sum(global_valid(counts, k, B) for k in range(w0, w0 + gas)) > 0)
+        total_opt_steps = t.epochs * live_windows
+        engine, stage = setup_engine(cfg, method, world, live_windows)
         epoch0, micro0, gstep = 0, 0, 0
         committed = step_dir / COMMITTED
         if committed.is_file():
@@ -254,13 +277,6 @@ class TaskTrainer:
                     f"resume it with the same number (running {world})")
             engine.load_checkpoint(str(step_dir), tag=info["tag"], load_module_strict=True)
             epoch0, micro0, gstep = info["epoch"], info["next_micro_step"], info["global_step"]
-
-        policy, B, gas = cfg.data.split, t.batch_size, t.grad_accum
-        steps_epoch = micro_steps_per_epoch(split, world, B, gas, policy)
-        counts = rank_counts(split, world, policy)
-        live_windows = sum(1 for w0 in range(0, steps_epoch, gas)
-                           if sum(global_valid(counts, k, B) for k in range(w0, w0 + gas)) > 0)
-        total_opt_steps = t.epochs * live_windows
         fault = _fault_point()
         bar = None
         if dist.is_main() and t.progress:

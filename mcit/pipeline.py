@@ -288,6 +288,7 @@ class Pipeline:
         self._mark(f"{t}/subspace", method_state=self._save_current(f"{t}/subspace"))
 
     def stage_eval(self, t: int) -> None:
+        self.method.set_task(t)  # also when a resumed run starts at this stage
         row = self._eval_row(f"task {t} eval", t + 1, f"after_task_{t}")
         if dist.is_main():
             write_json(self.run_dir / "eval" / f"after_task_{t}.json", row)

@@ -1,13 +1,14 @@
 """Small name -> factory registries.
 
 Built-in entries live in modules that are imported lazily (on first lookup) so that importing
-``mcit`` stays free of side effects while a new method still needs only one new file: a module
-listed in ``BUILTIN_MODULES`` or any module the user imports before the run.
+``mcit`` stays free of side effects while a new method still needs only one new file: every module of a registry's package (e.g.
+``mcit/methods/*.py``) is imported on first lookup, as is any module the user imports before the run.
 """
 
 from __future__ import annotations
 
 import importlib
+import pkgutil
 from typing import Callable, Generic, TypeVar
 
 T = TypeVar("T")
@@ -16,10 +17,11 @@ T = TypeVar("T")
 class Registry(Generic[T]):
     """A named collection of classes; ``register`` is a decorator."""
 
-    def __init__(self, kind: str, builtin_modules: tuple[str, ...] = ()) -> None:
+    def __init__(self, kind: str, builtin_modules: tuple[str, ...] = (), package: str | None = None) -> None:
         self.kind = kind
         self._items: dict[str, T] = {}
         self._builtin_modules = builtin_modules
+        self._package = package
         self._loaded = False
 
     def register(self, name: str) -> Callable[[T], T]:
@@ -34,7 +36,11 @@ class Registry(Generic[T]):
     def _load_builtins(self) -> None:
         if not self._loaded:
             self._loaded = True
-            for mod in self._builtin_modules:
+            mods = list(self._builtin_modules)
+            if self._package:
+                pkg = importlib.import_module(self._package)
+                mods += [f"{self._package}.{m.name}" for m in pkgutil.iter_modules(pkg.__path__)]
+            for mod in mods:
                 importlib.import_module(mod)
 
     def get(self, name: str) -> T:
@@ -48,6 +54,5 @@ class Registry(Generic[T]):
         return sorted(self._items)
 
 
-METHODS: Registry = Registry("method", ("mcit.methods.seq", "mcit.methods.l2p", "mcit.methods.prompt_tuning",
-                                        "mcit.methods.fwd_prompt", "mcit.methods.lora"))
+METHODS: Registry = Registry("method", package="mcit.methods")
 BACKBONES: Registry = Registry("backbone", ("mcit.models.vit", "mcit.models.mllm"))

@@ -72,3 +72,30 @@ def test_override_syntax_errors():
         apply_overrides({}, ["train.lr"])
     with pytest.raises(ConfigError, match="not a section"):
         apply_overrides({"train": 3}, ["train.lr=1"])
+
+
+def test_every_shipped_config_validates_with_its_method():
+    """Every YAML under configs/ (embedded demos and the papers' benchmark configs) parses, and its
+    method section validates against the method's own parameter model."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "configs"
+    paths = sorted(root.rglob("*.yaml"))
+    assert len(paths) >= 40
+    for p in paths:
+        cfg = load_config(p)
+        cfg.method.params()
+
+
+@pytest.mark.parametrize("schedule, extra, factors", [
+    ("constant", {}, [1.0, 1.0, 1.0, 1.0]),
+    ("multistep", {"lr_milestones": [1, 3], "lr_decay": 0.5}, [1.0, 0.5, 0.5, 0.25]),
+    ("cosine", {}, [1.0, 0.8535533905932737, 0.5, 0.14644660940672627]),
+])
+def test_lr_schedule_is_per_epoch(tmp_path, schedule, extra, factors):
+    from mcit.engine import lr_factor
+
+    cfg = load_config(write(tmp_path, {**BASE, "train": {"epochs": 4, "lr_schedule": schedule, **extra}}))
+    steps_per_epoch = 3
+    got = [lr_factor(cfg, e * steps_per_epoch + 2, steps_per_epoch) for e in range(4)]
+    assert got == pytest.approx(factors)

@@ -155,6 +155,11 @@ class Method(nn.Module):
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]
 
+    def param_groups(self) -> list[dict]:
+        """Optimizer parameter groups over ``trainable_parameters()``: dicts with ``params`` and an
+        optional ``lr_scale`` (times ``train.lr``), for methods whose papers train parts at other rates."""
+        return [{"params": self.trainable_parameters()}]
+
     def before_task(self, task: int) -> None:
         self.current_task = task
 

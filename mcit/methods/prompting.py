@@ -38,3 +38,40 @@ def mask_to_classes(logits: torch.Tensor, classes: tuple[int, ...]) -> torch.Ten
     keep = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
     keep[list(classes)] = True
     return logits.masked_fill(~keep, float("-inf"))
+
+
+def per_head(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """(B, L, D) tokens -> (B, H, L, D / H), the layout of a block's per-head keys and values."""
+    b, length, d = x.shape
+    return x.reshape(b, length, num_heads, d // num_heads).transpose(1, 2)
+
+
+def gather_prefix(pool: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Per-sample prefixes from a prefix pool.
+
+    ``pool``: (layers, 2, M, L, H, hd) -- for each prompted layer a key half and a value half of M
+    prompts; ``idx``: (B, k) the prompts each sample uses. Returns (layers, B, 2, k * L, H, hd).
+
+    The public DualPrompt / HiDe-Prompt ports index ``pool[:, :, idx]`` -> (layers, 2, B, k, L, H, hd)
+    and then ``reshape`` to (layers, B, 2, ...), which interleaves the key/value axis with the batch
+    axis: with B > 1 sample b gets another sample's prompt (or a value half as its key half). The
+    batch axis must be moved with a permute first, as here (pinned in tests/test_cil_methods.py).
+    """
+    sel = pool[:, :, idx]  # (layers, 2, B, k, L, H, hd)
+    n_layers, dual, b, k, length, h, hd = sel.shape
+    return sel.permute(0, 2, 1, 3, 4, 5, 6).reshape(n_layers, b, dual, k * length, h, hd)
+
+
+def prefix_prompt(prefix: torch.Tensor) -> "LayerPrompt":
+    """One layer's (B, 2, P, H, hd) prefix as the LayerPrompt the backbone's attention reads."""
+    from mcit.models.vit import LayerPrompt
+
+    p = prefix.transpose(2, 3)  # (B, 2, H, P, hd)
+    return LayerPrompt(key=p[:, 0], value=p[:, 1])
+
+
+def cosine(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """(B, M) cosine similarities of queries (B, D) with keys (M, D)."""
+    import torch.nn.functional as F
+
+    return F.normalize(query.float(), dim=-1) @ F.normalize(keys.float(), dim=-1).t()

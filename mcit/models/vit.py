@@ -8,8 +8,9 @@ weights stay the checkpoint's.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -35,6 +36,59 @@ def check_checkpoint_dir(path: str | Path) -> dict:
         raise BackboneError(f"backbone config {cfg} is not valid JSON: {e}") from None
 
 
+ATTENTION_NAME = "mcit_prompted"
+
+
+@dataclass
+class LayerPrompt:
+    """What a method puts into one block's attention (any field may be None).
+
+    ``key`` / ``value``: prefixes (B, H, P, head_dim) placed before the block's own keys and values
+    (prefix tuning, as in DualPrompt's and CODA-Prompt's official code: the prefixes live in the
+    per-head key/value space, after the projections). ``score_fn(scores, n_prefix)`` rewrites the
+    pre-softmax scores (B, H, N, P + N) -- NoRGa's gate on the prefix columns. ``capture(query,
+    probs)`` sees the per-head queries (B, H, N, head_dim) and attention probabilities -- VPT-NSP²'s
+    statistics.
+    """
+
+    key: torch.Tensor | None = None
+    value: torch.Tensor | None = None
+    score_fn: Callable[[torch.Tensor, int], torch.Tensor] | None = None
+    capture: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+
+
+def prompted_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                       mcit_prompt: LayerPrompt | None = None, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+    """The attention function the frozen ViT runs with (registered in transformers' AttentionInterface).
+
+    Without a LayerPrompt it is transformers' own SDPA path, so un-prompted blocks compute exactly
+    what the checkpoint computes. With one it is eager attention with the prompt's prefixes, score
+    rewrite and capture, which keeps the ViTLayer (norms, residuals, MLP) transformers' own.
+    """
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if mcit_prompt is None:
+        return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, scaling=scaling,
+                                               dropout=dropout, **kwargs)
+    n_prefix = 0
+    if mcit_prompt.key is not None:
+        n_prefix = mcit_prompt.key.shape[2]
+        key = torch.cat([mcit_prompt.key.to(key.dtype), key], dim=2)
+        value = torch.cat([mcit_prompt.value.to(value.dtype), value], dim=2)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    scores = torch.matmul(query, key.transpose(2, 3)) * scale
+    if attention_mask is not None:
+        scores = scores + attention_mask
+    if mcit_prompt.score_fn is not None:
+        scores = mcit_prompt.score_fn(scores, n_prefix)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    if mcit_prompt.capture is not None:
+        mcit_prompt.capture(query, probs)
+    out = torch.matmul(probs, value).transpose(1, 2).contiguous()
+    return out, probs
+
+
 @BACKBONES.register("vit")
 class ViTBackbone(nn.Module):
     """Frozen ViTModel plus its image processor settings."""
@@ -47,6 +101,12 @@ class ViTBackbone(nn.Module):
         self.image_size = int(model.config.image_size)
         self.hidden_size = int(model.config.hidden_size)
         self.num_layers = int(model.config.num_hidden_layers)
+        self.num_heads = int(model.config.num_attention_heads)
+        self.head_dim = self.hidden_size // self.num_heads
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(ATTENTION_NAME, prompted_attention)
+        self.model.set_attn_implementation(ATTENTION_NAME)
         self.register_buffer("mean", torch.tensor(image_mean).view(1, -1, 1, 1), persistent=False)
         self.register_buffer("std", torch.tensor(image_std).view(1, -1, 1, 1), persistent=False)
 
@@ -98,11 +158,23 @@ class ViTBackbone(nn.Module):
         """[CLS] + patch tokens with position embeddings: (B, 1 + N, D)."""
         return self.model.embeddings(pixel_values.to(self.dtype))
 
-    def encode(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Run every block and the final LayerNorm over a token sequence (B, T, D)."""
+    def encode(self, tokens: torch.Tensor, prompts: dict[int, LayerPrompt] | None = None,
+               appended: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+        """Run every block and the final LayerNorm over a token sequence (B, T, D).
+
+        ``prompts[i]``: block i's LayerPrompt (prefixes, score rewrite, capture). ``appended[i]``
+        (B, P, D): tokens appended to block i's input and dropped from its output (VPT-deep as in
+        VPT-NSP²'s official code: each block gets fresh prompt tokens that only act through attention).
+        """
         h = tokens
-        for layer in self.model.layers:
-            h = layer(h, None)
+        for i, layer in enumerate(self.model.layers):
+            lp = prompts.get(i) if prompts else None
+            extra = appended.get(i) if appended else None
+            if extra is not None:
+                n = h.shape[1]
+                h = layer(torch.cat([h, extra.to(h.dtype)], dim=1), None, mcit_prompt=lp)[:, :n]
+            else:
+                h = layer(h, None, mcit_prompt=lp)
         return self.model.layernorm(h)
 
     @torch.no_grad()

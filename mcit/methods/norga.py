@@ -1,0 +1,60 @@
+"""NoRGa (Le et al., NeurIPS 2024, "Mixture of Experts Meets Prompt-Based Continual Learning"), as
+in the paper and Minhchuyentoancbn/MoE_PromptCL.
+
+HiDe-Prompt (TII, prompt momentum, contrastive regulariser, task-adaptive prediction) with one
+change in the prompted blocks: the scores of the prefix keys go through a non-linear residual gate,
+s_hat = s + alpha * act(tau * s), with alpha and tau learnable per prompted block (initialised to 1,
+as the official scripts) and ``activation`` sigmoid (default), tanh or GELU; the gated prefix scores
+and the block's own (pre-trained) scores share one softmax. The official NoRGa_Attention computes
+exactly this (``prompt_attn + gate_act(prompt_attn * act_scale[0]) * act_scale[1]``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+from torch import nn
+
+from mcit.methods.base import TaskSequence
+from mcit.methods.hide_prompt import HiDePrompt, HiDePromptParams
+from mcit.registry import METHODS
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "sigmoid": torch.sigmoid, "tanh": torch.tanh, "gelu": F.gelu}
+
+
+class NoRGaParams(HiDePromptParams):
+    activation: Literal["sigmoid", "tanh", "gelu"] = "sigmoid"
+    tau_init: float = 1.0
+    alpha_init: float = 1.0
+
+
+@METHODS.register("norga")
+class NoRGa(HiDePrompt):
+    name = "norga"
+    Params = NoRGaParams
+
+    def __init__(self, params: NoRGaParams, backbone: nn.Module, sequence: TaskSequence) -> None:
+        super().__init__(params, backbone, sequence)
+        n = len(params.e_layers)
+        self.gate_tau = nn.Parameter(torch.full((n,), params.tau_init))
+        self.gate_alpha = nn.Parameter(torch.full((n,), params.alpha_init))
+
+    def param_groups(self) -> list[dict]:
+        groups = super().param_groups()
+        groups[0]["params"] = [self.e_prompt, self.gate_tau, self.gate_alpha]
+        return groups
+
+    def gate(self, layer_index: int) -> Callable[[torch.Tensor, int], torch.Tensor]:
+        act = ACTIVATIONS[self.params.activation]
+        tau, alpha = self.gate_tau[layer_index], self.gate_alpha[layer_index]
+
+        def score_fn(scores: torch.Tensor, n_prefix: int) -> torch.Tensor:
+            s = scores[..., :n_prefix]
+            gated = s + alpha.to(s.dtype) * act(tau.to(s.dtype) * s)
+            return torch.cat([gated, scores[..., n_prefix:]], dim=-1)
+
+        return score_fn

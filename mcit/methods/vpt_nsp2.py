@@ -1,0 +1,199 @@
+"""VPT-NSP² (Lu et al., NeurIPS 2024, "Visual Prompt Tuning in Null Space for Continual Learning"),
+as in the paper and its official code (zugexiaodui/VPTinNSforCL).
+
+VPT-deep: every prompted block i gets its own ``prompt_length`` tokens P_i appended to its input;
+they go through the block's LayerNorm and attention (as keys and values) and are dropped from its
+output, so they act on the image tokens only through attention. Per-task linear heads (trained on
+``logits / temperature`` over the task's own classes; inference concatenates all heads so far).
+
+After each task the subspace stage accumulates, per prompted block and over all tasks so far, the
+uncentred covariances of
+  * Q_X W_k (stacked over heads: each image token's per-head query times that head's key
+    projection, a D-vector), and
+  * S_P, the attention of every image token (per head) to the prompt tokens (an L-vector),
+both summed over ranks. Their eigen-decompositions give null spaces by the official code's
+criterion (``adaptive``: the knee of the singular-value curve found by the largest second
+difference, Gaussian-smoothed when there are >= 128 values; ``times``: singular values at most
+``thres`` times the smallest). With U0 the null-space basis, B = U0 U0^T / ||U0 U0^T||_F (the
+official normalisation) and P = eta * B + (1 - eta) * I, the optimizer's update of P_i becomes
+P2 Delta P1 (P1 from Q_X W_k, D x D; P2 from S_P, L x L), applied to the update itself as the
+official ModAdam does. From the second task on, the L_LN loss keeps each prompt token's mean and
+standard deviation (over D) at the previous task's values, which keeps the LayerNorm in front of the
+attention close to linear -- the assumption the null-space conditions rest on.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+from torch import nn
+
+from mcit.methods.base import Batch, LossTerms, Method, MethodParams, TaskSequence
+from mcit.methods.prompting import mask_to_classes, uniform_
+from mcit.models.vit import LayerPrompt
+from mcit.registry import METHODS
+
+
+class VPTNSP2Params(MethodParams):
+    prompt_length: int = Field(4, ge=1)
+    layers: list[int] | None = Field(None, description="prompted blocks; default all (VPT-deep)")
+    null_space: bool = Field(True, description="false: plain sequential VPT-deep with per-task heads (no projection, no L_LN)")
+    eta1: float = Field(0.97, ge=0, le=1, description="weight of the null-space projection P1 (Q_X W_k)")
+    eta2: float = Field(0.97, ge=0, le=1, description="weight of the null-space projection P2 (S_P)")
+    thres_mode: str = Field("adaptive", pattern="^(adaptive|times)$")
+    thres1: float = Field(0.0, description="adaptive: offset of the knee (fraction < 1 or count); times: multiple")
+    thres2: float = Field(0.0)
+    ln_loss_coeff: float = Field(1.0, ge=0)
+    temperature: float = Field(28.0, gt=0, description="training logits are divided by it")
+
+
+def null_space_start(svals: np.ndarray, mode: str, value: float) -> int:
+    """Index of the first singular value (descending order) of the null space, as the official code."""
+    points = np.asarray(svals, dtype=np.float64)
+    n = len(points)
+    if mode == "times":
+        return int(np.argmax(points <= points[-1] * int(value)))
+    if n < 3:  # no second difference to take (the official code fails here): the smallest direction
+        return n - 1
+    if n >= 128:
+        from scipy.ndimage import gaussian_filter1d
+
+        smooth = gaussian_filter1d(points, sigma=10)
+        d2 = np.diff(smooth, 2)  # (p0 - p1) - (p1 - p2): the official "diff_o2"
+        drop = int(n * 0.03 / 2)
+        valid = d2[drop:len(d2) - drop]
+        thres = points[int(np.argmax(valid)) + int((n - len(valid)) / 2)]
+    else:
+        d2 = np.diff(points, 2)
+        thres = points[int(np.argmax(d2)) + int((n - len(d2)) / 2)]
+    i = int(np.arange(n)[points >= thres].max())
+    if 0 <= value < 1:
+        i = min(i + int(value * (n - i)), n - 1)
+    else:
+        i = max(min(i + int(value), n - 1), 0)
+    return i
+
+
+def null_projection(cov: torch.Tensor, mode: str, thres: float, eta: float) -> tuple[torch.Tensor, int]:
+    """P = eta * B + (1 - eta) * I with B the Frobenius-normalised projector on the null space of ``cov``."""
+    vals, vecs = torch.linalg.eigh(cov.detach().double())
+    vals, vecs = vals.flip(0).clamp_min(0), vecs.flip(1)  # descending, like the official SVD
+    start = null_space_start(vals.cpu().numpy(), mode, thres)
+    u0 = vecs[:, start:]
+    b = u0 @ u0.t()
+    b = b / torch.linalg.norm(b)
+    eye = torch.eye(cov.shape[0], dtype=torch.float64)
+    return (eta * b + (1 - eta) * eye).float(), u0.shape[1]
+
+
+@METHODS.register("vpt_nsp2")
+class VPTNSP2(Method):
+    name = "vpt_nsp2"
+    Params = VPTNSP2Params
+
+    def __init__(self, params: VPTNSP2Params, backbone: nn.Module, sequence: TaskSequence) -> None:
+        super().__init__(params, backbone, sequence)
+        self.layers = list(range(backbone.num_layers)) if params.layers is None else list(params.layers)
+        for layer in self.layers:
+            if not 0 <= layer < backbone.num_layers:
+                raise ValueError(f"method.layers: {layer} is outside the backbone's {backbone.num_layers} blocks")
+        n, L, d = len(self.layers), params.prompt_length, backbone.hidden_size
+        self.prompt = uniform_((n, L, d))
+        self.head = nn.Linear(d, sequence.num_classes)
+        self.register_buffer("prev_prompt", torch.zeros(n, L, d))
+        self.register_buffer("cov1", torch.zeros(n, d, d, dtype=torch.float64))
+        self.register_buffer("cov2", torch.zeros(n, L, L, dtype=torch.float64))
+        self.register_buffer("proj1", torch.eye(d).repeat(n, 1, 1))
+        self.register_buffer("proj2", torch.eye(L).repeat(n, 1, 1))
+        self.register_buffer("tasks_projected", torch.zeros((), dtype=torch.long))
+        self.null_dims: dict[str, list[int]] = {}
+
+    def after_task(self, task: int) -> None:
+        self.prev_prompt.copy_(self.prompt.detach())
+
+    # -- forward -----------------------------------------------------------------------------------
+    def _hidden(self, pixel_values: torch.Tensor, capture: dict | None = None) -> torch.Tensor:
+        b = pixel_values.shape[0]
+        appended = {layer: self.prompt[i].unsqueeze(0).expand(b, -1, -1) for i, layer in enumerate(self.layers)}
+        prompts = None
+        if capture is not None:
+            prompts = {layer: LayerPrompt(capture=self._capturer(i, layer, capture)) for i, layer in enumerate(self.layers)}
+        return self.backbone.encode(self.backbone.embed(pixel_values), prompts=prompts, appended=appended)
+
+    def _logits(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        return self.head(self._hidden(pixel_values)[:, 0].to(self.head.weight.dtype))
+
+    def train_outputs(self, batch: Batch) -> dict[str, torch.Tensor]:
+        return {"logits": self._logits(batch.pixel_values)}
+
+    def ln_loss(self) -> torch.Tensor:
+        """L_LN: L1 distance of each prompt token's mean and std (over D) to the previous task's."""
+        p, p0 = self.prompt, self.prev_prompt
+        mean = (p.mean(-1) - p0.mean(-1)).abs().mean(-1)
+        std = (p.std(-1, unbiased=False) - p0.std(-1, unbiased=False)).abs().mean(-1)
+        return (mean + std).sum()
+
+    def loss(self, batch: Batch, outputs: dict[str, torch.Tensor]) -> LossTerms:
+        logits = mask_to_classes(outputs["logits"].float(), self.sequence.tasks[batch.task].classes)
+        ce = F.cross_entropy(logits / self.params.temperature, batch.labels, reduction="none")
+        reg = None
+        if self.params.null_space and self.params.ln_loss_coeff > 0 and batch.task > 0:
+            reg = self.params.ln_loss_coeff * self.ln_loss()
+        return LossTerms(per_sample=ce, regularizer=reg)
+
+    @torch.no_grad()
+    def predict(self, batch: Batch) -> torch.Tensor:
+        return self.restrict(self._logits(batch.pixel_values), batch).argmax(dim=-1)
+
+    # -- null-space projection ---------------------------------------------------------------------
+    def project_update(self, name: str, delta: torch.Tensor) -> torch.Tensor | None:
+        if name.startswith("head."):  # per-task heads: only the current task's rows may move
+            keep = torch.zeros(delta.shape[0], dtype=torch.bool, device=delta.device)
+            keep[list(self.sequence.tasks[self.current_task].classes)] = True
+            return delta * keep.view(-1, *([1] * (delta.dim() - 1))).to(delta.dtype)
+        if name == "prompt" and self.params.null_space and int(self.tasks_projected) > 0:
+            p1, p2 = self.proj1.to(delta), self.proj2.to(delta)
+            return p2 @ delta @ p1
+        return None
+
+    def _capturer(self, i: int, layer: int, out: dict) -> callable:
+        L = self.params.prompt_length
+        wk = self.backbone.model.layers[layer].attention.k_proj.weight  # (H * hd, D)
+        h, hd = self.backbone.num_heads, self.backbone.head_dim
+
+        def capture(query: torch.Tensor, probs: torch.Tensor) -> None:
+            n = query.shape[2] - L  # image tokens ([CLS] + patches)
+            qk = torch.einsum("bhnd,hde->bhne", query[:, :, :n].double(), wk.view(h, hd, -1).double())
+            qk = qk.reshape(-1, qk.shape[-1])
+            sp = probs[:, :, :n, n:].double().reshape(-1, L)
+            out[f"qk_{i}"] = out.get(f"qk_{i}", 0) + qk.t() @ qk / (h * n)
+            out[f"sp_{i}"] = out.get(f"sp_{i}", 0) + sp.t() @ sp / (h * n)
+
+        return capture
+
+    def statistics(self, batch: Batch) -> dict[str, torch.Tensor] | None:
+        if not self.params.null_space:
+            return None
+        out: dict[str, torch.Tensor] = {}
+        valid = batch.valid.bool()
+        self._hidden(batch.pixel_values[valid], capture=out)
+        return out
+
+    def finalize_statistics(self, reduced: dict[str, torch.Tensor], task: int) -> None:
+        dims1, dims2 = [], []
+        for i in range(len(self.layers)):
+            self.cov1[i] += reduced[f"qk_{i}"].to(self.cov1)
+            self.cov2[i] += reduced[f"sp_{i}"].to(self.cov2)
+            p1, k1 = null_projection(self.cov1[i].cpu(), self.params.thres_mode, self.params.thres1, self.params.eta1)
+            p2, k2 = null_projection(self.cov2[i].cpu(), self.params.thres_mode, self.params.thres2, self.params.eta2)
+            self.proj1[i].copy_(p1)
+            self.proj2[i].copy_(p2)
+            dims1.append(k1)
+            dims2.append(k2)
+        self.tasks_projected.fill_(task + 1)
+        self.null_dims = {"null_dims_qk": dims1, "null_dims_sp": dims2}
+
+    def subspace_report(self) -> dict:
+        return dict(self.null_dims)

@@ -1,0 +1,333 @@
+"""The prompt-based CIL methods on ViT: what each paper's algorithm pins down, and per-sample inference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import ViTConfig, ViTModel
+
+from mcit.methods.base import Batch, TaskSequence
+from mcit.methods.instruction import InstructionMethod
+from mcit.methods.prompting import gather_prefix, mask_to_classes
+from mcit.models.vit import ViTBackbone
+from mcit.registry import METHODS
+
+# Small settings that fit the 32-wide, 2-block test backbone; every CIL method must appear here.
+SMALL = {
+    "seq": {"prompt_length": 3},
+    "l2p": {"pool_size": 6, "top_k": 3, "prompt_length": 2},
+    "dualprompt": {"g_layers": [0], "e_layers": [1], "g_prompt_length": 2, "e_prompt_length": 3},
+    "coda_prompt": {"pool_size": 6, "prompt_length": 4, "layers": [0, 1]},
+    "vpt_nsp2": {"prompt_length": 3, "temperature": 1.0},
+    "l2p+pgp": {"pool_size": 6, "top_k": 3, "prompt_length": 2},
+    "dualprompt+pgp": {"g_layers": [0], "e_layers": [1], "g_prompt_length": 2, "e_prompt_length": 3},
+    "hide_prompt": {"prompt_length": 3, "e_layers": [0, 1], "ca_epochs": 2},
+    "norga": {"prompt_length": 3, "e_layers": [0, 1], "ca_epochs": 2, "activation": "tanh"},
+}
+
+
+@pytest.fixture(scope="module")
+def backbone():
+    torch.manual_seed(0)
+    cfg = ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                    image_size=16, patch_size=4)
+    return ViTBackbone(ViTModel(cfg, add_pooling_layer=False), [0.5] * 3, [0.5] * 3)
+
+
+@pytest.fixture(scope="module")
+def sequence():
+    return TaskSequence.from_label_spaces(["t0", "t1", "t2"], [[3, 7], [1, 2], [0, 9]])
+
+
+def _cil_methods() -> list[str]:
+    return [n for n in METHODS.names() if not issubclass(METHODS.get(n), InstructionMethod)]
+
+
+def test_every_cil_method_is_covered():
+    assert sorted(SMALL) == _cil_methods()
+
+
+def _build(name, backbone, sequence, **over):
+    cls = METHODS.get(name)
+    return cls(cls.Params(**{**SMALL[name], **over}), backbone, sequence)
+
+
+@pytest.mark.parametrize("name", sorted(SMALL))
+def test_predictions_do_not_change_with_test_batch_size(name, backbone, sequence):
+    """Batch of 64 vs one sample at a time, after one training step of task 0 and the task-1 set-up."""
+    torch.manual_seed(1)
+    m = _build(name, backbone, sequence)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 3, 16, 16, generator=g)
+    m.before_task(0)
+    b = Batch(x[:8], torch.tensor([3, 4] * 4), torch.ones(8), 0)
+    out = m(b)
+    (out.per_sample.mean() + (out.regularizer if out.regularizer is not None else 0)).backward()
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.grad is not None:
+                p -= 0.1 * p.grad
+    m.after_task(0)
+    m.eval()
+    allowed = torch.ones(sequence.num_classes, dtype=torch.bool)
+    big = Batch(x, torch.zeros(64, dtype=torch.long), torch.ones(64), 0, allowed_classes=allowed)
+    whole = m.predict(big)
+    single = torch.cat([m.predict(Batch(x[i:i + 1], big.labels[i:i + 1], big.valid[i:i + 1], 0,
+                                        allowed_classes=allowed)) for i in range(64)])
+    assert torch.equal(whole, single)
+
+
+def test_dualprompt_prefix_is_built_per_sample_with_a_permute():
+    """The public ports reshape (layers, 2, B, k, L, H, hd) to (layers, B, 2, ...): sample b then gets
+    a mix of other samples' key and value halves. gather_prefix moves the batch axis first."""
+    torch.manual_seed(0)
+    pool = torch.randn(3, 2, 5, 4, 2, 6)  # layers, key/value, M prompts, L, H, hd
+    idx = torch.tensor([[1], [4], [0]])
+    pre = gather_prefix(pool, idx)
+    assert pre.shape == (3, 3, 2, 4, 2, 6)
+    for b in range(3):
+        for kv in range(2):
+            assert torch.equal(pre[:, b, kv], pool[:, kv, idx[b, 0]])
+    wrong = pool[:, :, idx].reshape(3, 3, 2, 4, 2, 6)  # what the public code does
+    assert not torch.equal(wrong[:, 1, 0], pool[:, 0, 4])
+
+
+def test_dualprompt_trains_its_task_prompt_and_pulls_its_key(backbone, sequence):
+    torch.manual_seed(2)
+    m = _build("dualprompt", backbone, sequence)
+    m.before_task(1)
+    assert torch.equal(m.e_prompt[:, :, 1], m.e_prompt[:, :, 0])  # shared_prompt_pool initialisation
+    b = Batch(torch.randn(4, 3, 16, 16), torch.tensor([1, 2, 1, 2]), torch.ones(4), 1)
+    m(b).per_sample.sum().backward()
+    g = m.e_prompt.grad
+    assert g[:, :, 1].abs().sum() > 0 and g[:, :, [0, 2]].abs().sum() == 0
+    assert m.e_key.grad[1].abs().sum() > 0 and m.e_key.grad[[0, 2]].abs().sum() == 0
+
+
+def test_coda_components_are_orthogonal_and_old_ones_frozen(backbone, sequence):
+    torch.manual_seed(4)
+    m = _build("coda_prompt", backbone, sequence)
+    before = m.key.detach().clone()
+    m.after_task(0)
+    m.before_task(1)
+    assert torch.equal(m.key[:, :2], before[:, :2])  # task 0's components kept
+    for t in (m.key, m.attn, m.prompt):
+        flat = t[0, :4].reshape(4, -1)
+        assert torch.allclose(flat @ flat.t(), torch.eye(4), atol=1e-5)  # orthonormal across tasks
+    b = Batch(torch.randn(4, 3, 16, 16), torch.tensor([1, 2, 1, 2]), torch.ones(4), 1)
+    m(b).per_sample.sum().backward()
+    assert m.prompt.grad[:, :2].abs().sum() == 0 and m.prompt.grad[:, 2:4].abs().sum() > 0
+    assert m.prompt.grad[:, 4:].abs().sum() == 0  # later tasks' components are not used yet
+
+
+def _digit_tasks(backbone: ViTBackbone, tasks: list[list[int]], n_train: int = 160, n_test: int = 80):
+    """Real images (scikit-learn's digits) per task: (train x, train y, test x, test y)."""
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    seq = TaskSequence.from_label_spaces([f"t{i}" for i in range(len(tasks))], tasks)
+    lab = seq.label_to_index()
+    rng = np.random.RandomState(0)
+    out = []
+    for classes in tasks:
+        idx = np.where(np.isin(d.target, classes))[0]
+        rng.shuffle(idx)
+        split = []
+        for part in (idx[:n_train], idx[n_train:n_train + n_test]):
+            ims = [Image.fromarray(np.clip(np.rint(d.images[i] * 255 / 16), 0, 255).astype(np.uint8), mode="L")
+                   for i in part]
+            split += [backbone.preprocess(ims), torch.tensor([lab[int(c)] for c in d.target[part]])]
+        out.append(tuple(split))
+    return seq, out
+
+
+def _train_sequence(method, data, epochs: int = 4, lr: float = 0.01):
+    """Adam over the method's parameters, the method's projection applied to every update (as the
+    engine does), the subspace stage after each task. Returns per task: task-0 test features, loss."""
+    seen = []
+    for t, (xtr, ytr, xte, yte) in enumerate(data):
+        method.before_task(t)
+        method.set_task(t)
+        method.train()
+        opt = torch.optim.Adam([p for p in method.parameters() if p.requires_grad], lr=lr, weight_decay=5e-5)
+        g = torch.Generator().manual_seed(t)
+        for _ in range(epochs):
+            perm = torch.randperm(len(ytr), generator=g)
+            for i in range(0, len(ytr), 24):
+                b = perm[i:i + 24]
+                out = method(Batch(xtr[b], ytr[b], torch.ones(len(b)), t))
+                loss = out.per_sample.mean() + (out.regularizer if out.regularizer is not None else 0)
+                opt.zero_grad()
+                loss.backward()
+                old = {n: p.detach().clone() for n, p in method.named_parameters()}
+                opt.step()
+                with torch.no_grad():
+                    for n, p in method.named_parameters():
+                        kept = method.project_update(n, p - old[n])
+                        if kept is not None:
+                            p.copy_(old[n] + kept)
+        method.after_task(t)
+        method.eval()
+        with torch.no_grad():
+            sums = None
+            for i in range(0, len(ytr), 40):
+                s = method.statistics(Batch(xtr[i:i + 40], ytr[i:i + 40], torch.ones(len(ytr[i:i + 40])), t))
+                if s is not None:
+                    sums = s if sums is None else {k: sums[k] + s[k] for k in s}
+            if sums is not None:
+                method.finalize_statistics(sums, t)
+            x0, y0 = data[0][2], data[0][3]
+            feats = method._hidden(x0)[:, 0]
+            logits = mask_to_classes(method.head(feats), method.sequence.tasks[0].classes)
+            seen.append((feats, float(torch.nn.functional.cross_entropy(logits, y0))))
+    return seen
+
+
+def test_vpt_nsp2_keeps_old_task_features_in_place(assets):
+    """Tasks 1 and 2 trained with the null-space projection at eta = 1 vs without it (same seed, data):
+    the task-1 test features move >= 10x less, and the task-1 loss rises < 1% (relative)."""
+    from mcit.methods.vpt_nsp2 import VPTNSP2, VPTNSP2Params
+
+    torch.manual_seed(0)
+    backbone = ViTBackbone.from_path(assets["backbone"])
+    seq, data = _digit_tasks(backbone, [[0, 1], [2, 3]])
+    moves, rises = {}, {}
+    for null in (True, False):
+        torch.manual_seed(0)
+        m = VPTNSP2(VPTNSP2Params(null_space=null, eta1=1.0, eta2=1.0), backbone, seq)
+        (f1, loss1), (f2, loss2) = _train_sequence(m, data)
+        moves[null] = float((f2 - f1).norm(dim=-1).mean() / f1.norm(dim=-1).mean())
+        rises[null] = loss2 / loss1 - 1
+    print(f"VPT-NSP2 task-1 feature move (relative): eta=1 {moves[True]:.5f}, no projection {moves[False]:.5f}, "
+          f"ratio {moves[False] / moves[True]:.1f}x; task-1 loss change: eta=1 {rises[True] * 100:+.3f}%, "
+          f"no projection {rises[False] * 100:+.3f}%")
+    assert moves[False] >= 10 * moves[True]
+    assert rises[True] < 0.01
+
+
+def test_hide_prompt_statistics_tap_and_task_inference(backbone, sequence):
+    """Class Gaussians from the subspace stage, task-adaptive prediction after task 1, and inference
+    that picks each sample's prompt from the TII head's class prediction."""
+    torch.manual_seed(5)
+    m = _build("hide_prompt", backbone, sequence)
+    g = torch.Generator().manual_seed(0)
+    for t, labels in enumerate(([3, 4], [1, 2])):
+        m.before_task(t)
+        m.set_task(t)
+        y = torch.tensor(labels * 6)
+        b = Batch(torch.randn(12, 3, 16, 16, generator=g), y, torch.ones(12), t)
+        out = m(b)
+        (out.per_sample.mean() + out.regularizer).backward()
+        m.after_task(t)
+        with torch.no_grad():
+            stats = m.statistics(b)
+        assert stats["n"].tolist() == [6.0, 6.0]
+        before = m.head.weight.detach().clone()
+        m.finalize_statistics(stats, t)
+        assert torch.equal(m.seen.nonzero().flatten(), torch.tensor(sorted({3, 4} | ({1, 2} if t else set()))))
+        assert torch.allclose(m.frozen_mean[labels[0]], backbone.cls_features(b.pixel_values[y == labels[0]]).mean(0),
+                              atol=1e-5)
+        assert torch.equal(m.head.weight, before) == (t == 0)  # TAP re-trains the head only after task 0
+    assert set(m.subspace_report()) == {"tii_ca_loss", "tap_loss"}
+    m.eval()
+    b = Batch(torch.randn(6, 3, 16, 16), torch.zeros(6, dtype=torch.long), torch.ones(6), 0,
+              allowed_classes=m.seen.clone())
+    tii_class = m.restrict(m.tii(backbone.cls_features(b.pixel_values)), b).argmax(-1)
+    assert torch.equal(m.infer_task(b), m.task_of_class[tii_class])
+
+
+def test_norga_gate_rewrites_only_prefix_scores(backbone, sequence):
+    m = _build("norga", backbone, sequence)
+    with torch.no_grad():
+        m.gate_tau[1] = 0.5
+        m.gate_alpha[1] = 2.0
+    s = torch.randn(2, 2, 5, 3 + 5)
+    out = m.gate(1)(s, 3)
+    assert torch.allclose(out[..., :3], s[..., :3] + 2.0 * torch.tanh(0.5 * s[..., :3]))
+    assert torch.equal(out[..., 3:], s[..., 3:])
+    b = Batch(torch.randn(4, 3, 16, 16), torch.tensor([3, 4, 3, 4]), torch.ones(4), 0)
+    m.before_task(0)
+    m(b).per_sample.sum().backward()
+    assert m.gate_tau.grad.abs().sum() > 0 and m.gate_alpha.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("name", ["l2p+pgp", "dualprompt+pgp"])
+def test_pgp_confines_updates_to_the_complement_of_old_features(name, backbone, sequence):
+    """After task 0's statistics, keys move orthogonally to old queries and prompts (prefix keys)
+    orthogonally to the old prompt-side features; with the switch off nothing is projected."""
+    torch.manual_seed(6)
+    m = _build(name, backbone, sequence)
+    b = Batch(torch.randn(16, 3, 16, 16), torch.tensor([3, 4] * 8), torch.ones(16), 0)
+    m.before_task(0)
+    m.set_task(0)
+    with torch.no_grad():
+        m.finalize_statistics(m.statistics(b), 0)
+    assert int(m.pgp_key_rank) > 0 and all(int(r) > 0 for r in m.pgp_prompt_rank)
+    m.before_task(1)
+    m.set_task(1)
+    key_name, prompt_name = ("prompt_key", "prompt") if name == "l2p+pgp" else ("e_key", "e_prompt")
+    params = dict(m.named_parameters())
+    dk = m.project_update(key_name, torch.randn_like(params[key_name]))
+    assert (dk @ m.key_basis()).abs().max() < 1e-4
+    dp = m.project_update(prompt_name, torch.randn_like(params[prompt_name]))
+    if name == "l2p+pgp":
+        assert (dp @ m.prompt_basis(0)).abs().max() < 1e-4
+    else:
+        i = m.prompted.index(m.params.e_layers[0])
+        assert (dp[0, 0] @ m.prompt_basis(i)).abs().max() < 1e-4  # key half of the prefix
+    assert m.project_update("head.weight", torch.randn_like(m.head.weight)) is None
+
+
+@pytest.mark.parametrize("method, zero", [
+    ({"name": "hide_prompt", "prompt_length": 2, "e_layers": [0, 1], "ca_epochs": 3}, "zero2"),
+    ({"name": "vpt_nsp2", "prompt_length": 2, "temperature": 2.0}, "zero3"),
+])
+def test_method_runs_through_the_deepspeed_pipeline_and_evaluates_alike(method, zero, assets, tmp_path):
+    """2 CPU ranks: param groups, the subspace stage (HiDe's class Gaussians and task-adaptive
+    prediction on rank 0; VPT-NSP²'s null spaces) and projected updates under ZeRO; a 1-process
+    evaluation-only pass on the task-1 export gives the stored row exactly."""
+    import json
+
+    from conftest import EVALUATE, launch, tiny_config
+
+    cfg = tiny_config(assets, tmp_path, method["name"], method=method,
+                      data={"tasks": ["task0", "task1"]},
+                      train={"epochs": 1, "deepspeed_config": f"deepspeed_configs/{zero}.json"})
+    res = launch(["--config", str(cfg)], launcher="deepspeed", nproc=2)
+    assert res.returncode == 0, res.stderr[-3000:]
+    run_dir = tmp_path / "runs" / method["name"]
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["complete"] and len(metrics["acc_matrix"]) == 2
+    log = [json.loads(line) for line in (run_dir / "logs" / "train.jsonl").read_text().splitlines()]
+    report = [r for r in log if r.get("event") == "subspace"]
+    assert len(report) == 2 and len(set(report[-1]["state_sha256_per_rank"])) == 1
+    if method["name"] == "hide_prompt":
+        assert "tap_loss" in report[-1]
+    else:
+        assert report[-1]["null_dims_qk"]
+    res = launch(["--run", str(run_dir), "--task-checkpoint", "1", "--batch-size", "7"], entry=EVALUATE)
+    assert res.returncode == 0, res.stderr[-3000:]
+    row = json.loads((run_dir / "eval" / "evaluate" / "after_task_1.json").read_text())
+    assert row["acc"] == metrics["acc_matrix"][1]
+
+
+def test_vpt_nsp2_null_space_criterion_matches_the_official_rule():
+    """The knee of a spectrum with a clear drop, the >= 128-value smoothed branch, offsets, 'times'."""
+    from mcit.methods.vpt_nsp2 import null_projection, null_space_start
+
+    s = np.array([10.0, 9.5, 9.0, 1.0, 0.9, 0.8, 0.7])
+    # first differences .5 .5 8 .1 .1 .1; second 0 -7.5 7.9 0 0: argmax 2, + 1 -> threshold s[3] = 1.0; the
+    # null space starts at the last value >= it (the official i_thres), i.e. right after the drop
+    assert null_space_start(s, "adaptive", 0.0) == 3
+    assert null_space_start(s, "adaptive", 2) == 5
+    assert null_space_start(s, "times", 2) == 3  # values <= 2 x the smallest
+    big = np.concatenate([np.linspace(100, 90, 60), np.linspace(5, 1, 140)])
+    start = null_space_start(big, "adaptive", 0.0)
+    assert 50 <= start <= 70  # the knee of the smoothed curve, near the drop at 60
+    assert null_space_start(np.array([3.0, 1.0]), "adaptive", 0.0) == 1
+    cov = torch.diag(torch.tensor([10.0, 9.5, 9.0, 1.0, 0.9, 0.8, 0.7], dtype=torch.float64))
+    p, k = null_projection(cov, "adaptive", 0.0, 1.0)
+    assert k == 4 and torch.allclose(p[:3, :3], torch.zeros(3, 3), atol=1e-6)
+    assert torch.allclose(torch.linalg.norm(p), torch.tensor(1.0), atol=1e-5)  # Frobenius-normalised
