@@ -91,6 +91,35 @@ def init(timeout_s: float = 1800.0) -> None:
     import deepspeed
 
     deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    release_shm_workspace()
+
+
+def shm_workspace_path(rank_: int | None = None) -> Path:
+    """Where DeepSpeed's CPU shared-memory allreduce keeps one rank's 69 MB workspace (the name its
+    ``shm.cpp`` builds: ``deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>``)."""
+    env = os.environ
+    r = rank() if rank_ is None else rank_
+    name = f"deepspeed_allreduce_buffer_{os.getuid()}_{env.get('MASTER_ADDR', '')}_{env.get('MASTER_PORT', '')}_{r}"
+    return Path("/dev/shm") / name
+
+
+def release_shm_workspace() -> None:
+    """Unlink this rank's DeepSpeed shm allreduce workspace as soon as every rank has mapped it.
+
+    DeepSpeed (CPU accelerator, all ranks on one host) creates the segment in ``init_distributed``
+    and never unlinks it, so every multi-rank run left 69 MB per rank in /dev/shm, which is RAM:
+    a test suite's worth filled 20 GB and thrashed the machine. ``shm_initialize`` returns only after
+    the rank has opened every peer's segment, so after a barrier all mappings exist; unlinking then
+    frees the memory when the processes exit, however they exit (a killed run leaks nothing).
+    """
+    if not (dist.is_initialized() and world_size() > 1):
+        return
+    path = shm_workspace_path()
+    dist.barrier()
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass  # not all ranks local (no shm op), or the op is not built on this platform
 
 
 def rank() -> int:

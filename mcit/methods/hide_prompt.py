@@ -217,14 +217,22 @@ class HiDePrompt(Method):
                 "tap_loss": self._align(self.head, "prompted", task, 5 * self.params.ca_batch_size, g),
             }
 
-    def _sample(self, kind: str, per_class: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        xs, ys = [], []
+    def _gaussians(self, kind: str) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """(class, mean, scale) for every seen class: x = mean + z @ scale samples its Gaussian."""
         means, covs = getattr(self, f"{kind}_mean"), getattr(self, f"{kind}_cov")
+        out = []
         for c in torch.nonzero(self.seen).flatten().tolist():
-            z = torch.randn(per_class, means.shape[1], generator=g, dtype=torch.float64)
             cov = covs[c].double().cpu()
             scale = torch.linalg.cholesky(cov).t() if cov.dim() == 2 else torch.diag(cov.sqrt())
-            xs.append(means[c].double().cpu() + z @ scale)
+            out.append((c, means[c].double().cpu(), scale))
+        return out
+
+    @staticmethod
+    def _sample(gaussians: list, per_class: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        xs, ys = [], []
+        for c, mean, scale in gaussians:
+            z = torch.randn(per_class, mean.shape[0], generator=g, dtype=torch.float64)
+            xs.append(mean + z @ scale)
             ys.append(torch.full((per_class,), c, dtype=torch.long))
         return torch.cat(xs).float(), torch.cat(ys)
 
@@ -235,11 +243,12 @@ class HiDePrompt(Method):
         opt = torch.optim.SGD(module.parameters(), lr=self.params.ca_lr, momentum=0.9, weight_decay=5e-4)
         steps = sum(len(self.sequence.tasks[i].classes) for i in range(task))  # the official crct_num
         allowed = self.seen.to(dev)
+        gaussians = self._gaussians(kind)  # one Cholesky per class, not per epoch
         loss = torch.zeros(())
         for epoch in range(self.params.ca_epochs):
             for group in opt.param_groups:
                 group["lr"] = _cosine_lr(self.params.ca_lr, epoch, self.params.ca_epochs)
-            x, y = self._sample(kind, per_class, g)
+            x, y = self._sample(gaussians, per_class, g)
             perm = torch.randperm(len(y), generator=g)
             x, y = x[perm].to(dev), y[perm].to(dev)
             for i in range(steps):
