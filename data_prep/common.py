@@ -292,3 +292,16 @@ def run_cli(ap: Any, argv: list[str] | None, build: Callable[[Any], Any], summar
     if line:
         print(line, file=sys.stderr)
     return 0
+
+
+def publish_dir(tmp: Path, out: Path, info: dict, settings_file: str) -> dict:
+    """Write ``info`` into the finished directory ``tmp`` and move it to ``out`` (replacing an older
+    one): a killed pre-training run leaves only ``<out>.partial``, never a half-written ``out``."""
+    import shutil
+
+    (tmp / settings_file).write_text(json.dumps(info, indent=1))
+    if out.exists():
+        shutil.rmtree(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp.rename(out)
+    return info

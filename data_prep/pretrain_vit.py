@@ -22,6 +22,8 @@ def pretrain(out: Path, *, hidden: int = 96, layers: int = 6, heads: int = 4, im
              patch_size: int = 4, n_train: int = 20000, epochs: int = 8, batch_size: int = 128,
              lr: float = 2e-3, seed: int = 0, force: bool = False) -> dict:
     import torch
+
+    from data_prep.common import publish_dir
     from transformers import ViTConfig, ViTForImageClassification, ViTImageProcessor
 
     from mcit.data.procedural import SHAPES, generate, to_pixel_values
@@ -67,12 +69,7 @@ def pretrain(out: Path, *, hidden: int = 96, layers: int = 6, heads: int = 4, im
     ViTImageProcessor(do_resize=True, size={"height": image_size, "width": image_size}, image_mean=[0.5] * 3,
                       image_std=[0.5] * 3, do_convert_rgb=True).save_pretrained(tmp)
     info = {"settings": settings, "shapes": SHAPES, "val_accuracy": acc, "seconds": round(time.time() - t0, 1)}
-    (tmp / SETTINGS_FILE).write_text(json.dumps(info, indent=1))
-    if out.exists():
-        shutil.rmtree(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp.rename(out)
-    return info
+    return publish_dir(tmp, out, info, SETTINGS_FILE)
 
 
 def main(argv: list[str] | None = None) -> int:

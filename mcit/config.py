@@ -24,11 +24,14 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+CLASSIFICATION_KINDS = ("vit", "clip")  # image classifiers (CIL); the other kinds generate text (MCIT)
+
+
 class BackboneConfig(_Strict):
     """The frozen pre-trained model. ``path`` is a local directory in HF format (``config.json``), or a
     hub id (``org/name``) where the machine has network."""
 
-    kind: Literal["vit", "llava", "instructblip", "qwen2_vl"] = "vit"
+    kind: Literal["vit", "clip", "llava", "instructblip", "qwen2_vl"] = "vit"
     path: str
     tag: str = Field("local", description="free-form name recorded in the run's report")
     quantization: Literal["none", "4bit", "8bit"] = Field(

@@ -71,6 +71,8 @@ def preflight(cfg: RunConfig, base: Path | None = None, *, run_dir: Path | None 
     Raises a one-line error (ConfigError / DataError / BackboneError) naming the file or key. With
     ``run_dir`` (evaluation of an existing run) the run directory is taken as given, not checked.
     """
+    from mcit.config import CLASSIFICATION_KINDS
+    from mcit.models.clip import check_clip_dir
     from mcit.models.mllm import check_model_source
     from mcit.models.vit import check_checkpoint_dir
 
@@ -82,9 +84,11 @@ def preflight(cfg: RunConfig, base: Path | None = None, *, run_dir: Path | None 
         build_ds_config(cfg, 1)
     except json.JSONDecodeError as e:
         raise ConfigError(f"train.deepspeed_config: {ds_path} is not valid JSON ({e})") from None
-    generative = cfg.backbone.kind != "vit"
+    generative = cfg.backbone.kind not in CLASSIFICATION_KINDS
     if generative:
         check_model_source(cfg.backbone.path)
+    elif cfg.backbone.kind == "clip":
+        check_clip_dir(cfg.backbone.path)
     else:
         check_checkpoint_dir(cfg.backbone.path)
     specs = cfg.data.resolved_tasks(base)
@@ -106,6 +110,10 @@ def preflight(cfg: RunConfig, base: Path | None = None, *, run_dir: Path | None 
                 raise ConfigError(f"data.tasks: task {s.name!r}: unknown scorer {name!r}; known: {', '.join(sorted(S.SCORERS))}")
     reference = None
     method_cls = METHODS.get(cfg.method.name)
+    try:
+        method_cls.check_inputs(cfg.method.params())
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if method_cls.reference_required(cfg.method.params()):
         if cfg.data.reference is None:
             raise ConfigError(f"data.reference: method {cfg.method.name} needs a split of the backbone's pre-training "
@@ -117,7 +125,8 @@ def preflight(cfg: RunConfig, base: Path | None = None, *, run_dir: Path | None 
         if extra:
             raise ConfigError(f"data.tasks: task {s.name!r}: test labels {sorted(extra)} do not occur in its train split")
     names = [s.name for s in specs]
-    sequence = TaskSequence.from_label_spaces(names, [tr.label_space for tr in train])
+    class_names = {int(k): v for tr in train for k, v in (tr.manifest.get("class_names") or {}).items()}
+    sequence = TaskSequence.from_label_spaces(names, [tr.label_space for tr in train], class_names)
     if run_dir is None:  # a training run: its directory must be new or hold this exact config
         run_dir = cfg.resolved_run_dir()
         check_run_dir(cfg, run_dir)
@@ -223,15 +232,26 @@ class Pipeline:
             write_json(self.run_dir / "eval" / "zero_shot.json", row)
         self._mark("zero_shot")
 
-    def stage_train(self, t: int) -> None:
+    def stage_train(self, t: int, phase: str = "") -> None:
+        key = f"{t}/train" + (f".{phase}" if phase else "")
         self.method.set_task(t)
-        step_dir = self.run_dir / "checkpoints" / f"task_{t}" / "steps"
-        trainer = TaskTrainer(self.cfg, self.logger, self.run_dir)
-        state = trainer.train(self.method, t, self.plan.train[t], self._collate(t, train=True), step_dir)
-        self._reload(state)
+        self.method.set_phase(phase)
+        step_dir = self.run_dir / "checkpoints" / f"task_{t}" / ("steps" + (f".{phase}" if phase else ""))
+        if self.method.trainable_parameters():
+            cfg = self.cfg
+            overrides = self.method.phase_train(phase)
+            if overrides:  # this phase's own epochs / lr / optimizer (validated like the config)
+                train = type(cfg.train).model_validate({**cfg.train.model_dump(), **overrides})
+                cfg = cfg.model_copy(update={"train": train})
+            trainer = TaskTrainer(cfg, self.logger, self.run_dir)
+            state = trainer.train(self.method, t, self.plan.train[t], self._collate(t, train=True), step_dir)
+            self._reload(state)
+            self.method.set_phase(phase)
+        else:  # nothing to train (zero-shot CLIP): the task's hooks still run, no engine is built
+            self.method.before_task(t)
         self.method.set_task(t)
         self.method.after_task(t)
-        self._mark(f"{t}/train", method_state=self._save_current(f"{t}/train"))
+        self._mark(key, method_state=self._save_current(key))
 
     def _stream_statistics(self, split: Split, collate: Any, t: int) -> None:
         """Every rank streams its part of ``split`` through ``method.statistics``; the sums are
@@ -239,6 +259,7 @@ class Pipeline:
         from mcit.data.loader import eval_batches
 
         sums: dict[str, torch.Tensor] | None = None
+        rows: dict[str, list[torch.Tensor]] = {}
         with torch.no_grad():
             for batch in eval_batches(split, rank=dist.rank(), world=dist.world_size(),
                                       batch_size=self.cfg.eval.batch_size, policy=self.cfg.data.split,
@@ -246,19 +267,27 @@ class Pipeline:
                 stats = self.method.statistics(batch.to(dist.device()))
                 if stats is None:
                     continue
+                for k in [k for k in stats if k.startswith("cat:")]:
+                    rows.setdefault(k, []).append(stats.pop(k).detach().cpu())
                 if sums is None:
                     sums = {k: v.detach().double().cpu().clone() for k, v in stats.items()}
                 else:
                     for k, v in stats.items():
                         sums[k] += v.detach().double().cpu()
         # Every rank must take part in the reductions, even one that saw no batch.
+        sums = sums if sums is not None else ({} if rows else None)
         keys = dist.broadcast_object(sorted(sums) if sums is not None else None)
         shapes = dist.broadcast_object({k: tuple(v.shape) for k, v in sums.items()} if sums else None)
-        if not keys:
+        if keys is None:
             return
         sums = {k: (sums[k] if sums and k in sums else torch.zeros(shapes[k], dtype=torch.float64)) for k in keys}
         for k in keys:
             dist.all_reduce_sum(sums[k])
+        # "cat:" statistics: every rank's rows, concatenated in rank order (rank 0 finalizes)
+        local = {k: torch.cat(v) for k, v in rows.items()}
+        for part in dist.gather_objects(local) if dist.world_size() > 1 else [local]:
+            for k, v in part.items():
+                sums[k] = torch.cat([sums[k], v]) if k in sums else v
         if dist.is_main():
             self.method.finalize_statistics(sums, t)
         state = dist.broadcast_object({k: v.cpu() for k, v in self.method.state_dict().items()}
@@ -280,12 +309,14 @@ class Pipeline:
         self._stream_statistics(split, self._collate(0, train=True, split=split), -1)
         self._mark("reference", method_state=self._save_current("reference"))
 
-    def stage_subspace(self, t: int) -> None:
+    def stage_subspace(self, t: int, phase: str = "") -> None:
         """Stream the task's statistics on every rank, sum over ranks, finalize on rank 0, broadcast."""
+        key = f"{t}/subspace" + (f".{phase}" if phase else "")
         self.method.set_task(t)
+        self.method.set_phase(phase)
         if type(self.method).statistics is not Method.statistics:
             self._stream_statistics(self.plan.train[t], self._collate(t, train=True), t)
-        self._mark(f"{t}/subspace", method_state=self._save_current(f"{t}/subspace"))
+        self._mark(key, method_state=self._save_current(key))
 
     def stage_eval(self, t: int) -> None:
         self.method.set_task(t)  # also when a resumed run starts at this stage
@@ -304,7 +335,8 @@ class Pipeline:
                 "method_params": self.cfg.method.params().model_dump(), "backbone": self.cfg.backbone.path,
                 "tensors": {k: list(v.shape) for k, v in self.method.state_dict().items()}})
             self.write_metrics(done=t + 1)
-            shutil.rmtree(task_dir / "steps", ignore_errors=True)
+            for steps in task_dir.glob("steps*"):
+                shutil.rmtree(steps, ignore_errors=True)
         dist.barrier()
         self._mark(f"{t}/commit")
 
@@ -335,15 +367,23 @@ class Pipeline:
     # -- the loop -----------------------------------------------------------------------------------
     def build_model(self) -> None:
         """Load the frozen backbone and build the method from the config (the same on every rank)."""
+        from mcit.config import CLASSIFICATION_KINDS
         from mcit.models.vit import load_backbone
 
         dtype = torch.bfloat16 if self.cfg.train.precision == "bf16" else torch.float32
         bb = self.cfg.backbone
-        options = {} if bb.kind == "vit" else {"quantization": bb.quantization, "max_length": bb.max_length}
+        options = {} if bb.kind in CLASSIFICATION_KINDS else {"quantization": bb.quantization,
+                                                               "max_length": bb.max_length}
         self.backbone = load_backbone(bb.kind, bb.path, dtype, **options)
         if bb.quantization == "none":  # bitsandbytes places quantized weights itself
             self.backbone = self.backbone.to(dist.device())
         self.method = self._build_method().to(dist.device())
+
+    def stages(self) -> list[str]:
+        """The stages of one task: train and subspace per phase of the method, then eval and commit."""
+        phases = METHODS.get(self.cfg.method.name).phases
+        per_phase = [f"{s}.{p}" if p else s for p in phases for s in STAGES[:2]]
+        return per_phase + list(STAGES[2:])
 
     def run(self) -> dict[str, Any]:
         if dist.is_main():
@@ -362,7 +402,7 @@ class Pipeline:
             self._say(f"resuming {self.run_dir}: {len(self.state['completed'])} stages done")
         keys = (["reference"] if self.plan.reference is not None else []) + (
             ["zero_shot"] if self.cfg.eval.zero_shot else []) + [
-            f"{t}/{s}" for t in range(len(self.plan.names)) for s in STAGES]
+            f"{t}/{s}" for t in range(len(self.plan.names)) for s in self.stages()]
         if dist.is_main():
             preemption.clear(self.run_dir)  # a request that stopped an earlier job is done with
         dist.barrier()
@@ -376,7 +416,8 @@ class Pipeline:
                     getattr(self, f"stage_{key}")()
                     continue
                 t, stage = key.split("/")
-                getattr(self, f"stage_{stage}")(int(t))
+                stage, _, phase = stage.partition(".")
+                getattr(self, f"stage_{stage}")(int(t), *([phase] if phase else []))
             except RuntimeError as e:
                 if _is_collective_failure(e):
                     raise CollectiveError(f"stage {key}: a collective did not complete on rank {dist.rank()} "

@@ -55,4 +55,4 @@ class Registry(Generic[T]):
 
 
 METHODS: Registry = Registry("method", package="mcit.methods")
-BACKBONES: Registry = Registry("backbone", ("mcit.models.vit", "mcit.models.mllm"))
+BACKBONES: Registry = Registry("backbone", ("mcit.models.vit", "mcit.models.clip", "mcit.models.mllm"))

@@ -27,6 +27,17 @@ def assets(tmp_path_factory) -> dict[str, Path]:
     return {"shards": base / "digits", "backbone": base / "vit"}
 
 
+@pytest.fixture(scope="session")
+def clip_backbone(tmp_path_factory) -> Path:
+    """A tiny CLIP pre-trained for a few seconds on the procedural image-caption pairs."""
+    from data_prep.pretrain_clip import pretrain
+
+    out = tmp_path_factory.mktemp("clip_assets") / "clip"
+    pretrain(out, vision_hidden=32, vision_layers=2, text_hidden=32, text_layers=1, projection_dim=16,
+             n_train=1024, epochs=1, batch_size=64, lr=3e-3)
+    return out
+
+
 def tiny_config(assets: dict[str, Path], tmp: Path, name: str = "tiny", **sections) -> Path:
     """A 3-task config on the tiny backbone; ``sections`` update top-level sections (dicts merged)."""
     cfg = {

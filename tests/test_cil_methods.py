@@ -24,7 +24,12 @@ SMALL = {
     "dualprompt+pgp": {"g_layers": [0], "e_layers": [1], "g_prompt_length": 2, "e_prompt_length": 3},
     "hide_prompt": {"prompt_length": 3, "e_layers": [0, 1], "ca_epochs": 2},
     "norga": {"prompt_length": 3, "e_layers": [0, 1], "ca_epochs": 2, "activation": "tanh"},
+    "soft_tf": {"g_layers": [0], "e_layers": [1], "g_prompt_length": 2, "e_prompt_length": 3},
+    # "name:variant" rows: the same method with another inference rule
+    "soft_tf:gradient_id": {"g_layers": [0], "e_layers": [1], "g_prompt_length": 2, "e_prompt_length": 3,
+                            "task_inference": "gradient_id", "mask_mlp": True},
 }
+CLIP_ONLY = {"clip_zero_shot", "star_prompt"}  # need the tiny CLIP: covered by tests/test_clip_methods.py
 
 
 @pytest.fixture(scope="module")
@@ -47,11 +52,11 @@ def _cil_methods() -> list[str]:
 
 
 def test_every_cil_method_is_covered():
-    assert sorted(SMALL) == _cil_methods()
+    assert sorted({k.split(":")[0] for k in SMALL} | CLIP_ONLY) == _cil_methods()
 
 
 def _build(name, backbone, sequence, **over):
-    cls = METHODS.get(name)
+    cls = METHODS.get(name.split(":")[0])
     return cls(cls.Params(**{**SMALL[name], **over}), backbone, sequence)
 
 
@@ -333,3 +338,50 @@ def test_vpt_nsp2_null_space_criterion_matches_the_official_rule():
     p, k = null_projection(cov, "adaptive", 0.0, 1.0)
     assert k == 4 and torch.allclose(p[:3, :3], torch.zeros(3, 3), atol=1e-6)
     assert torch.allclose(torch.linalg.norm(p), torch.tensor(1.0), atol=1e-5)  # Frobenius-normalised
+
+
+def test_soft_tf_masks_at_one_reproduce_the_unmasked_backbone(backbone, sequence):
+    """Masks initialised at 1 (the paper's best): the masked network is the pre-trained one, exactly
+    for one task's masks and up to rounding for a superposition of all tasks' masks."""
+    torch.manual_seed(0)
+    m = _build("soft_tf", backbone, sequence, mask_mlp=True)
+    assert {n.split("_l")[0] for n, _ in m.named_parameters() if n.startswith(("wmask", "bmask"))} == {"wmask", "bmask"}
+    x = torch.randn(5, 3, 16, 16)
+    idx = torch.tensor([0, 1, 2, 1, 0])
+    plain = m.features(x, idx.view(-1, 1))
+    assert torch.equal(m.task_features(x, idx), plain)
+    with m.masks(torch.full((5, 3), 1 / 3)):
+        mixed = m.features(x, idx.view(-1, 1))
+    assert torch.allclose(mixed, plain, atol=1e-5)
+    tokens = backbone.embed(x)
+    with m.masks(torch.eye(3)[idx]):
+        assert torch.equal(backbone.encode(tokens), backbone.encode(backbone.embed(x)))
+    # a changed mask changes exactly the samples of its task
+    with torch.no_grad():
+        m.wmask_l1_v[2].mul_(0.5)
+    moved = (m.task_features(x, idx) - plain).abs().flatten(1).amax(1)
+    assert moved[idx == 2].min() > 0 and moved[idx != 2].max() == 0
+
+
+def test_soft_tf_trains_only_the_current_tasks_masks_and_infers_task_per_sample(backbone, sequence):
+    torch.manual_seed(0)
+    m = _build("soft_tf", backbone, sequence)
+    m.before_task(1)
+    out = m(Batch(torch.randn(6, 3, 16, 16), torch.tensor([1, 2] * 3), torch.ones(6), 1))
+    out.per_sample.mean().backward()
+    g = m.wmask_l1_q.grad
+    assert g[1].abs().sum() > 0 and g[0].abs().sum() == 0 and g[2].abs().sum() == 0
+    kept = m.project_update("wmask_l1_q", torch.ones_like(m.wmask_l1_q))
+    assert kept[1].eq(1).all() and kept[0].eq(0).all() and kept[2].eq(0).all()
+    assert m.project_update("e_prompt", torch.ones(3)) is None
+    # gradient-ID per sample vs the official batch rule (one task for the whole batch)
+    x = torch.randn(16, 3, 16, 16)
+    allowed = torch.ones(sequence.num_classes, dtype=torch.bool)
+    b = Batch(x, torch.zeros(16, dtype=torch.long), torch.ones(16), 0, allowed_classes=allowed)
+    with torch.no_grad():
+        m.wmask_l1_o[0].mul_(0.2)  # make the tasks' masks differ
+        m.wmask_l1_o[2].mul_(3.0)
+    per_sample = m.gradient_id(b)
+    batch_rule = m.gradient_id(b, per_sample=False)
+    assert per_sample.shape == (16,) and batch_rule.unique().numel() == 1
+    assert torch.equal(per_sample[:7], torch.cat([m.gradient_id(b.select(torch.tensor([i]))) for i in range(7)]))

@@ -86,10 +86,10 @@ def _metrics(run_dir: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def slurm_config(assets, tmp_path_factory):
-    """2 tasks, 6 epochs: long enough (about 130 optimizer steps) to be signalled mid-training."""
+    """2 tasks, 3 epochs: long enough (about 65 optimizer steps) to be signalled mid-training."""
     work = tmp_path_factory.mktemp("slurm_runs")
     return lambda name: tiny_config(assets, work, name, data={"tasks": ["task0", "task1"]},
-                                    train={"epochs": 6, "log_every": 1}), work
+                                    train={"epochs": 3, "log_every": 1}), work
 
 
 @pytest.fixture(scope="module")

@@ -46,13 +46,18 @@ class TaskSequence:
 
     tasks: tuple[TaskInfo, ...]
     labels: tuple[int, ...]  # original label of each global class index
+    # Readable name of each global class index (from the shard manifests; the label as text where a
+    # manifest names none): the text side of CLIP-based methods.
+    class_names: tuple[str, ...] = ()
 
     @classmethod
-    def from_label_spaces(cls, names: list[str], label_spaces: list[list[int]]) -> "TaskSequence":
+    def from_label_spaces(cls, names: list[str], label_spaces: list[list[int]],
+                          class_names: dict[int, str] | None = None) -> "TaskSequence":
         labels = sorted({int(c) for ls in label_spaces for c in ls})
         index = {lab: i for i, lab in enumerate(labels)}
         tasks = tuple(TaskInfo(n, tuple(index[int(c)] for c in ls)) for n, ls in zip(names, label_spaces))
-        return cls(tasks, tuple(labels))
+        named = class_names or {}
+        return cls(tasks, tuple(labels), tuple(str(named.get(lab, lab)) for lab in labels))
 
     @property
     def num_classes(self) -> int:
@@ -143,6 +148,9 @@ class Method(nn.Module):
 
     name: ClassVar[str] = "base"
     Params: ClassVar[type[MethodParams]] = MethodParams
+    # Training phases per task, each a train stage and a subspace stage of its own, in this order
+    # ("" = the one ordinary phase). STAR-Prompt has two: its CLIP stage, then its ViT stage.
+    phases: ClassVar[tuple[str, ...]] = ("",)
 
     def __init__(self, params: MethodParams, backbone: nn.Module, sequence: TaskSequence) -> None:
         super().__init__()
@@ -150,6 +158,7 @@ class Method(nn.Module):
         self.sequence = sequence
         object.__setattr__(self, "backbone", backbone)  # by reference: not a submodule, not in state_dict
         self.current_task = 0
+        self.phase = self.phases[0]
 
     # -- build / hooks -------------------------------------------------------------------------------
     def trainable_parameters(self) -> list[nn.Parameter]:
@@ -169,6 +178,20 @@ class Method(nn.Module):
     def set_task(self, task: int) -> None:
         """Called whenever a stage of ``task`` runs (also after a resume)."""
         self.current_task = task
+
+    def set_phase(self, phase: str) -> None:
+        """Called before each train / subspace stage of a phase (see ``phases``): a multi-phase
+        method switches what is trainable and what its forward and statistics compute."""
+        self.phase = phase
+
+    def phase_train(self, phase: str) -> dict:
+        """Overrides of the ``train:`` config section for ``phase`` (epochs, lr, optimizer, ...)."""
+        return {}
+
+    @classmethod
+    def check_inputs(cls, params: MethodParams) -> None:
+        """Pre-flight check of files the method reads itself (before any model is loaded); raise a
+        one-line ValueError naming the key and the path."""
 
     # -- training ----------------------------------------------------------------------------------
     def forward(self, batch: Batch) -> LossTerms:  # the training forward
@@ -197,7 +220,9 @@ class Method(nn.Module):
 
     # -- subspace stage ----------------------------------------------------------------------------
     def statistics(self, batch: Batch) -> dict[str, torch.Tensor] | None:
-        """Additive statistics of one batch (summed over batches and ranks); None = no subspace stage."""
+        """Statistics of one batch; None = no subspace stage. Tensors are summed over batches and
+        ranks, except keys starting with ``cat:``, whose rows are concatenated over batches and ranks
+        (rank order) -- raw features for fits that are not additive, e.g. a mixture of Gaussians."""
         return None
 
     def finalize_statistics(self, reduced: dict[str, torch.Tensor], task: int) -> None:

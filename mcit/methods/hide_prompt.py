@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
+from mcit.methods.class_gaussians import class_moments, gaussian_factors, moments_to_gaussians, sample_classes
 from mcit.methods.base import Batch, LossTerms, Method, MethodParams, TaskSequence
 from mcit.methods.prompting import gather_prefix, mask_to_classes, prefix_prompt, uniform_
 from mcit.registry import METHODS
@@ -189,24 +190,13 @@ class HiDePrompt(Method):
                  "prompted": self.prompted_features(x, self._train_prefix(t, x.shape[0]) if x.shape[0] else
                                                     self.e_prompt[:, :, :0])}
         for kind, f in feats.items():
-            f = f.double()
-            out[f"{kind}_sum"] = onehot.t() @ f
-            if self.params.ca_storage == "covariance":
-                out[f"{kind}_outer"] = torch.einsum("bc,bd,be->cde", onehot, f, f)
-            else:
-                out[f"{kind}_outer"] = onehot.t() @ (f * f)
+            out[f"{kind}_sum"], out[f"{kind}_outer"] = class_moments(onehot, f, self.params.ca_storage == "covariance")
         return out
 
     def finalize_statistics(self, reduced: dict[str, torch.Tensor], task: int) -> None:
         classes = list(self.sequence.tasks[task].classes)
-        n = reduced["n"].clamp_min(2).view(-1, 1)
         for kind in ("frozen", "prompted"):
-            mean = reduced[f"{kind}_sum"] / n
-            if self.params.ca_storage == "covariance":
-                outer = reduced[f"{kind}_outer"] - n.view(-1, 1, 1) * torch.einsum("cd,ce->cde", mean, mean)
-                cov = outer / (n.view(-1, 1, 1) - 1) + 1e-4 * torch.eye(mean.shape[1], dtype=mean.dtype)
-            else:
-                cov = (reduced[f"{kind}_outer"] - n * mean * mean) / (n - 1) + 1e-4
+            mean, cov = moments_to_gaussians(reduced["n"], reduced[f"{kind}_sum"], reduced[f"{kind}_outer"])
             getattr(self, f"{kind}_mean")[classes] = mean.to(self.head.weight.dtype).cpu().to(self.seen.device)
             getattr(self, f"{kind}_cov")[classes] = cov.to(self.head.weight.dtype).cpu().to(self.seen.device)
         self.seen[classes] = True
@@ -217,25 +207,6 @@ class HiDePrompt(Method):
                 "tap_loss": self._align(self.head, "prompted", task, 5 * self.params.ca_batch_size, g),
             }
 
-    def _gaussians(self, kind: str) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
-        """(class, mean, scale) for every seen class: x = mean + z @ scale samples its Gaussian."""
-        means, covs = getattr(self, f"{kind}_mean"), getattr(self, f"{kind}_cov")
-        out = []
-        for c in torch.nonzero(self.seen).flatten().tolist():
-            cov = covs[c].double().cpu()
-            scale = torch.linalg.cholesky(cov).t() if cov.dim() == 2 else torch.diag(cov.sqrt())
-            out.append((c, means[c].double().cpu(), scale))
-        return out
-
-    @staticmethod
-    def _sample(gaussians: list, per_class: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        xs, ys = [], []
-        for c, mean, scale in gaussians:
-            z = torch.randn(per_class, mean.shape[0], generator=g, dtype=torch.float64)
-            xs.append(mean + z @ scale)
-            ys.append(torch.full((per_class,), c, dtype=torch.long))
-        return torch.cat(xs).float(), torch.cat(ys)
-
     def _align(self, module: nn.Module, kind: str, task: int, per_class: int, g: torch.Generator) -> float:
         """The official train_task_adaptive_prediction: SGD on Gaussian samples of every seen class."""
         dev = self.seen.device
@@ -243,12 +214,13 @@ class HiDePrompt(Method):
         opt = torch.optim.SGD(module.parameters(), lr=self.params.ca_lr, momentum=0.9, weight_decay=5e-4)
         steps = sum(len(self.sequence.tasks[i].classes) for i in range(task))  # the official crct_num
         allowed = self.seen.to(dev)
-        gaussians = self._gaussians(kind)  # one Cholesky per class, not per epoch
+        factors = gaussian_factors(getattr(self, f"{kind}_mean"), getattr(self, f"{kind}_cov"),
+                                   torch.nonzero(self.seen).flatten().tolist())
         loss = torch.zeros(())
         for epoch in range(self.params.ca_epochs):
             for group in opt.param_groups:
                 group["lr"] = _cosine_lr(self.params.ca_lr, epoch, self.params.ca_epochs)
-            x, y = self._sample(gaussians, per_class, g)
+            x, y = sample_classes(factors, per_class, g)
             perm = torch.randperm(len(y), generator=g)
             x, y = x[perm].to(dev), y[perm].to(dev)
             for i in range(steps):

@@ -15,7 +15,6 @@ from typing import Callable, Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field
 from torch import nn
 
 from mcit.methods.base import TaskSequence

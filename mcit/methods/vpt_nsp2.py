@@ -20,9 +20,21 @@ P2 Delta P1 (P1 from Q_X W_k, D x D; P2 from S_P, L x L), applied to the update 
 official ModAdam does. From the second task on, the L_LN loss keeps each prompt token's mean and
 standard deviation (over D) at the previous task's values, which keeps the LayerNorm in front of the
 attention close to linear -- the assumption the null-space conditions rest on.
+
+CLIP variant (the paper's CLIP rows; official ``train_*_clip.sh``): the same prompts and
+projections on CLIP's image encoder (``layers`` = the first blocks, eta 0.98), and the classifier is
+CLIP's own: logits = exp(logit_scale) * cos(W_proj h_cls, t_c) with t_c the class names' text
+embeddings (template-averaged) and W_proj initialised from CLIP's visual projection. Training
+updates the prompts and the logit scale only; with ``refine_head`` the subspace stage also stores
+each class's mean and covariance of h_cls and then retrains W_proj on samples of every seen class
+(SGD, lr 0.001, momentum 0.9, weight decay 1e-4, 50 epochs of 256 samples per class), as the
+official ``refine_head``. The zero-shot row is plain zero-shot CLIP (no prompts).
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator, Literal
 
 import numpy as np
 import torch
@@ -31,6 +43,7 @@ from pydantic import Field
 from torch import nn
 
 from mcit.methods.base import Batch, LossTerms, Method, MethodParams, TaskSequence
+from mcit.methods.class_gaussians import class_moments, gaussian_factors, moments_to_gaussians, sample_classes
 from mcit.methods.prompting import mask_to_classes, uniform_
 from mcit.models.vit import LayerPrompt
 from mcit.registry import METHODS
@@ -47,6 +60,15 @@ class VPTNSP2Params(MethodParams):
     thres2: float = Field(0.0)
     ln_loss_coeff: float = Field(1.0, ge=0)
     temperature: float = Field(28.0, gt=0, description="training logits are divided by it")
+    classifier: Literal["auto", "linear", "text"] = Field(
+        "auto", description="linear heads, or CLIP's image-text similarity (auto: text on a CLIP backbone)")
+    templates: list[str] = Field(default_factory=lambda: ["a photo of a {}."],
+                                 description="text classifier: class-name templates, averaged")
+    logit_scale_trainable: bool = True
+    refine_head: bool = Field(False, description="text classifier: retrain the projection on class Gaussians")
+    refine_epochs: int = Field(50, ge=0)
+    refine_lr: float = Field(0.001, gt=0)
+    refine_samples: int = Field(256, ge=1, description="samples per class and epoch")
 
 
 def null_space_start(svals: np.ndarray, mode: str, value: float) -> int:
@@ -101,7 +123,30 @@ class VPTNSP2(Method):
                 raise ValueError(f"method.layers: {layer} is outside the backbone's {backbone.num_layers} blocks")
         n, L, d = len(self.layers), params.prompt_length, backbone.hidden_size
         self.prompt = uniform_((n, L, d))
-        self.head = nn.Linear(d, sequence.num_classes)
+        kind = params.classifier
+        if kind == "auto":
+            kind = "text" if hasattr(backbone, "class_text_features") else "linear"
+        if kind == "text" and not hasattr(backbone, "class_text_features"):
+            raise ValueError("method.classifier: text needs a backbone with a text encoder (backbone.kind: clip)")
+        self.text_classifier = kind == "text"
+        if self.text_classifier:
+            proj = backbone.model.visual_projection
+            self.head = nn.Linear(d, proj.out_features, bias=False)
+            with torch.no_grad():
+                self.head.weight.copy_(proj.weight.float())
+            self.head.weight.requires_grad_(False)  # trained only by refine_head, in the subspace stage
+            self.logit_scale = nn.Parameter(backbone.logit_scale.detach().float().clone().reshape(1),
+                                            requires_grad=params.logit_scale_trainable)
+            names = list(sequence.class_names) or [str(c) for c in sequence.labels]
+            self.register_buffer("text_feats", backbone.class_text_features(names, params.templates).float(),
+                                 persistent=False)  # rebuilt from the frozen text encoder
+            self.register_buffer("feat_mean", torch.zeros(sequence.num_classes, d))
+            self.register_buffer("feat_cov", torch.zeros(sequence.num_classes, d, d))
+            self.register_buffer("seen", torch.zeros(sequence.num_classes, dtype=torch.bool))
+        else:
+            self.head = nn.Linear(d, sequence.num_classes)
+        self._prompts_on = True
+        self.refine_log: dict[str, float] = {}
         self.register_buffer("prev_prompt", torch.zeros(n, L, d))
         self.register_buffer("cov1", torch.zeros(n, d, d, dtype=torch.float64))
         self.register_buffer("cov2", torch.zeros(n, L, L, dtype=torch.float64))
@@ -117,13 +162,31 @@ class VPTNSP2(Method):
     def _hidden(self, pixel_values: torch.Tensor, capture: dict | None = None) -> torch.Tensor:
         b = pixel_values.shape[0]
         appended = {layer: self.prompt[i].unsqueeze(0).expand(b, -1, -1) for i, layer in enumerate(self.layers)}
+        if not self._prompts_on:
+            appended = None
         prompts = None
         if capture is not None:
             prompts = {layer: LayerPrompt(capture=self._capturer(i, layer, capture)) for i, layer in enumerate(self.layers)}
         return self.backbone.encode(self.backbone.embed(pixel_values), prompts=prompts, appended=appended)
 
+    def _classify(self, pooled: torch.Tensor) -> torch.Tensor:
+        """Logits over every class from pooled features (B, D)."""
+        out = self.head(pooled.to(self.head.weight.dtype))
+        if self.text_classifier:
+            return self.logit_scale.exp() * F.normalize(out.float(), dim=-1) @ self.text_feats.t()
+        return out
+
     def _logits(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        return self.head(self._hidden(pixel_values)[:, 0].to(self.head.weight.dtype))
+        return self._classify(self._hidden(pixel_values)[:, 0])
+
+    @contextmanager
+    def zero_shot(self) -> Iterator[None]:
+        """Text classifier: zero-shot CLIP (no prompts); linear heads: the untrained method as built."""
+        self._prompts_on = not self.text_classifier
+        try:
+            yield
+        finally:
+            self._prompts_on = True
 
     def train_outputs(self, batch: Batch) -> dict[str, torch.Tensor]:
         return {"logits": self._logits(batch.pixel_values)}
@@ -149,7 +212,7 @@ class VPTNSP2(Method):
 
     # -- null-space projection ---------------------------------------------------------------------
     def project_update(self, name: str, delta: torch.Tensor) -> torch.Tensor | None:
-        if name.startswith("head."):  # per-task heads: only the current task's rows may move
+        if name.startswith("head.") and not self.text_classifier:  # per-task heads: only this task's rows move
             keep = torch.zeros(delta.shape[0], dtype=torch.bool, device=delta.device)
             keep[list(self.sequence.tasks[self.current_task].classes)] = True
             return delta * keep.view(-1, *([1] * (delta.dim() - 1))).to(delta.dtype)
@@ -160,7 +223,7 @@ class VPTNSP2(Method):
 
     def _capturer(self, i: int, layer: int, out: dict) -> callable:
         L = self.params.prompt_length
-        wk = self.backbone.model.layers[layer].attention.k_proj.weight  # (H * hd, D)
+        wk = self.backbone.key_proj(layer).weight  # (H * hd, D)
         h, hd = self.backbone.num_heads, self.backbone.head_dim
 
         def capture(query: torch.Tensor, probs: torch.Tensor) -> None:
@@ -173,15 +236,59 @@ class VPTNSP2(Method):
 
         return capture
 
+    @property
+    def _refines(self) -> bool:
+        return self.text_classifier and self.params.refine_head
+
     def statistics(self, batch: Batch) -> dict[str, torch.Tensor] | None:
-        if not self.params.null_space:
+        if not (self.params.null_space or self._refines):
             return None
         out: dict[str, torch.Tensor] = {}
         valid = batch.valid.bool()
-        self._hidden(batch.pixel_values[valid], capture=out)
+        hidden = self._hidden(batch.pixel_values[valid], capture=out if self.params.null_space else None)
+        if self._refines:
+            classes = torch.tensor(self.sequence.tasks[self.current_task].classes, device=hidden.device)
+            onehot = batch.labels[valid].unsqueeze(1) == classes.unsqueeze(0)
+            out["n"] = onehot.double().sum(0)
+            out["feat_sum"], out["feat_outer"] = class_moments(onehot, hidden[:, 0], covariance=True)
         return out
 
     def finalize_statistics(self, reduced: dict[str, torch.Tensor], task: int) -> None:
+        if self._refines:
+            classes = list(self.sequence.tasks[task].classes)
+            mean, cov = moments_to_gaussians(reduced["n"], reduced["feat_sum"], reduced["feat_outer"])
+            self.feat_mean[classes] = mean.to(self.feat_mean)
+            self.feat_cov[classes] = cov.to(self.feat_cov)
+            self.seen[classes] = True
+            self.refine_log = {"refine_loss": self.refine(task)}
+        if self.params.null_space:
+            self._null_spaces(reduced, task)
+
+    def refine(self, task: int) -> float:
+        """The official refine_head: retrain the projection on Gaussian samples of every seen class."""
+        g = torch.Generator().manual_seed(1000003 * (task + 1))
+        dev = self.feat_mean.device
+        factors = gaussian_factors(self.feat_mean, self.feat_cov, torch.nonzero(self.seen).flatten().tolist())
+        w = self.head.weight
+        w.requires_grad_(True)
+        opt = torch.optim.SGD([w], lr=self.params.refine_lr, momentum=0.9, weight_decay=1e-4)
+        allowed = self.seen.to(dev)
+        loss = torch.zeros(())
+        for _ in range(self.params.refine_epochs):
+            x, y = sample_classes(factors, self.params.refine_samples, g)
+            perm = torch.randperm(len(y), generator=g)
+            x, y = x[perm].to(dev), y[perm].to(dev)
+            for i in range(0, len(y), 256):
+                with torch.enable_grad():
+                    logits = self._classify(x[i:i + 256]).masked_fill(~allowed, float("-inf"))
+                    loss = F.cross_entropy(logits, y[i:i + 256])
+                    opt.zero_grad()
+                    loss.backward()
+                opt.step()
+        w.requires_grad_(False)
+        return float(loss.detach())
+
+    def _null_spaces(self, reduced: dict[str, torch.Tensor], task: int) -> None:
         dims1, dims2 = [], []
         for i in range(len(self.layers)):
             self.cov1[i] += reduced[f"qk_{i}"].to(self.cov1)
@@ -196,4 +303,4 @@ class VPTNSP2(Method):
         self.null_dims = {"null_dims_qk": dims1, "null_dims_sp": dims2}
 
     def subspace_report(self) -> dict:
-        return dict(self.null_dims)
+        return {**self.null_dims, **self.refine_log}

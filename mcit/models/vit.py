@@ -46,13 +46,16 @@ class LayerPrompt:
     ``key`` / ``value``: prefixes (B, H, P, head_dim) placed before the block's own keys and values
     (prefix tuning, as in DualPrompt's and CODA-Prompt's official code: the prefixes live in the
     per-head key/value space, after the projections). ``score_fn(scores, n_prefix)`` rewrites the
-    pre-softmax scores (B, H, N, P + N) -- NoRGa's gate on the prefix columns. ``capture(query,
+    pre-softmax scores (B, H, N, P + N) -- NoRGa's gate on the prefix columns. ``value_residual``
+    (B, H, 1, head_dim) is added to every token's value (STAR-Prompt's residual prompt: since each
+    attention row sums to 1, this adds W_o p to the block's attention output). ``capture(query,
     probs)`` sees the per-head queries (B, H, N, head_dim) and attention probabilities -- VPT-NSP²'s
     statistics.
     """
 
     key: torch.Tensor | None = None
     value: torch.Tensor | None = None
+    value_residual: torch.Tensor | None = None
     score_fn: Callable[[torch.Tensor, int], torch.Tensor] | None = None
     capture: Callable[[torch.Tensor, torch.Tensor], None] | None = None
 
@@ -72,6 +75,8 @@ def prompted_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor
         return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, scaling=scaling,
                                                dropout=dropout, **kwargs)
     n_prefix = 0
+    if mcit_prompt.value_residual is not None:
+        value = value + mcit_prompt.value_residual.to(value.dtype)
     if mcit_prompt.key is not None:
         n_prefix = mcit_prompt.key.shape[2]
         key = torch.cat([mcit_prompt.key.to(key.dtype), key], dim=2)
@@ -89,8 +94,61 @@ def prompted_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor
     return out, probs
 
 
+class PromptableImageEncoder(nn.Module):
+    """What the ViT and CLIP backbones share: preprocessing, the per-block encode loop with prompts,
+    the frozen [CLS] query. A subclass provides ``layers``, ``final_norm``, ``embed``, ``image_size``,
+    ``mean`` / ``std`` buffers and ``resample`` (PIL filter of the checkpoint's image processor)."""
+
+    task_type = "classification"
+    resample: int = 2  # PIL.Image.BILINEAR
+
+    def preprocess(self, images: list) -> torch.Tensor:
+        """PIL images -> normalised pixel values (RGB, resized to the model's size)."""
+        import numpy as np
+
+        arrs = []
+        for im in images:
+            im = im.convert("RGB")
+            if im.size != (self.image_size, self.image_size):
+                im = im.resize((self.image_size, self.image_size), self.resample)
+            arrs.append(np.asarray(im, dtype=np.float32) / 255.0)
+        x = torch.from_numpy(np.stack(arrs)).permute(0, 3, 1, 2)
+        return ((x - self.mean) / self.std).contiguous()
+
+    def make_collate(self, split: Any, task: int, *, train: bool, label_index: dict[int, int]) -> Any:
+        """How raw samples of ``split`` become a Batch (classification: images and class indices)."""
+        from mcit.data.loader import classification_collate
+
+        return classification_collate(self.preprocess, label_index, task, split)
+
+    def encode(self, tokens: torch.Tensor, prompts: dict[int, LayerPrompt] | None = None,
+               appended: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+        """Run every block and the final LayerNorm (on every token) over a token sequence (B, T, D).
+
+        ``prompts[i]``: block i's LayerPrompt (prefixes, value residual, score rewrite, capture).
+        ``appended[i]`` (B, P, D): tokens appended to block i's input and dropped from its output
+        (VPT-deep as in VPT-NSP²'s official code: each block gets fresh prompt tokens that only act
+        through attention).
+        """
+        h = tokens
+        for i, layer in enumerate(self.layers):
+            lp = prompts.get(i) if prompts else None
+            extra = appended.get(i) if appended else None
+            if extra is not None:
+                n = h.shape[1]
+                h = layer(torch.cat([h, extra.to(h.dtype)], dim=1), None, mcit_prompt=lp)[:, :n]
+            else:
+                h = layer(h, None, mcit_prompt=lp)
+        return self.final_norm(h)
+
+    @torch.no_grad()
+    def cls_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """The frozen pre-trained [CLS] feature (final LayerNorm), the usual prompt-selection query."""
+        return self.encode(self.embed(pixel_values))[:, 0]
+
+
 @BACKBONES.register("vit")
-class ViTBackbone(nn.Module):
+class ViTBackbone(PromptableImageEncoder):
     """Frozen ViTModel plus its image processor settings."""
 
     def __init__(self, model: nn.Module, image_mean: list[float], image_std: list[float]) -> None:
@@ -125,6 +183,23 @@ class ViTBackbone(nn.Module):
             proc = json.loads(pp.read_text())
         return cls(model, proc.get("image_mean", [0.5] * 3), proc.get("image_std", [0.5] * 3))
 
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.model.layers
+
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        return self.model.layernorm(h)
+
+    def key_proj(self, layer: int) -> nn.Linear:
+        """Block ``layer``'s key projection (VPT-NSP² reads W_k from it)."""
+        return self.model.layers[layer].attention.k_proj
+
+    def linears(self, layer: int) -> dict[str, nn.Linear]:
+        """Block ``layer``'s linear maps by role: q, k, v, o (attention output), fc1, fc2 (MLP)."""
+        blk = self.model.layers[layer]
+        a = blk.attention
+        return {"q": a.q_proj, "k": a.k_proj, "v": a.v_proj, "o": a.o_proj, "fc1": blk.mlp.fc1, "fc2": blk.mlp.fc2}
+
     def train(self, mode: bool = True) -> "ViTBackbone":  # frozen: always eval (no dropout drift)
         return super().train(False)
 
@@ -132,56 +207,9 @@ class ViTBackbone(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.model.embeddings.patch_embeddings.projection.weight.dtype
 
-    def preprocess(self, images: list) -> torch.Tensor:
-        """PIL images -> normalised pixel values (RGB, resized to the model's size, bilinear)."""
-        import numpy as np
-        from PIL import Image
-
-        arrs = []
-        for im in images:
-            im = im.convert("RGB")
-            if im.size != (self.image_size, self.image_size):
-                im = im.resize((self.image_size, self.image_size), Image.BILINEAR)
-            arrs.append(np.asarray(im, dtype=np.float32) / 255.0)
-        x = torch.from_numpy(np.stack(arrs)).permute(0, 3, 1, 2)
-        return ((x - self.mean) / self.std).contiguous()
-
-    task_type = "classification"
-
-    def make_collate(self, split: Any, task: int, *, train: bool, label_index: dict[int, int]) -> Any:
-        """How raw samples of ``split`` become a Batch (classification: images and class indices)."""
-        from mcit.data.loader import classification_collate
-
-        return classification_collate(self.preprocess, label_index, task, split)
-
     def embed(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """[CLS] + patch tokens with position embeddings: (B, 1 + N, D)."""
         return self.model.embeddings(pixel_values.to(self.dtype))
-
-    def encode(self, tokens: torch.Tensor, prompts: dict[int, LayerPrompt] | None = None,
-               appended: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
-        """Run every block and the final LayerNorm over a token sequence (B, T, D).
-
-        ``prompts[i]``: block i's LayerPrompt (prefixes, score rewrite, capture). ``appended[i]``
-        (B, P, D): tokens appended to block i's input and dropped from its output (VPT-deep as in
-        VPT-NSP²'s official code: each block gets fresh prompt tokens that only act through attention).
-        """
-        h = tokens
-        for i, layer in enumerate(self.model.layers):
-            lp = prompts.get(i) if prompts else None
-            extra = appended.get(i) if appended else None
-            if extra is not None:
-                n = h.shape[1]
-                h = layer(torch.cat([h, extra.to(h.dtype)], dim=1), None, mcit_prompt=lp)[:, :n]
-            else:
-                h = layer(h, None, mcit_prompt=lp)
-        return self.model.layernorm(h)
-
-    @torch.no_grad()
-    def cls_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """The frozen pre-trained [CLS] feature (final LayerNorm), the usual prompt-selection query."""
-        return self.encode(self.embed(pixel_values))[:, 0]
-
 
 def load_backbone(kind: str, path: str, dtype: torch.dtype = torch.float32, **options: Any) -> nn.Module:
     """The registered backbone ``kind`` from ``path``; ``options`` are kind-specific (quantization, ...)."""

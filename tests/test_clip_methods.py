@@ -1,0 +1,268 @@
+"""The CLIP backbone and the CLIP-based continual methods: same outputs as transformers' CLIPModel,
+VPT-NSP² reused on CLIP's image encoder, zero-shot CLIP as the baseline, per-sample inference."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mcit.methods.base import Batch, TaskSequence
+from mcit.registry import METHODS
+
+
+@pytest.fixture(scope="module")
+def clip(clip_backbone):
+    from mcit.models.clip import CLIPBackbone
+
+    return CLIPBackbone.from_path(clip_backbone)
+
+
+@pytest.fixture(scope="module")
+def digits_sequence():
+    from data_prep.digits import CLASS_NAMES
+
+    return TaskSequence.from_label_spaces(["t0", "t1"], [[0, 1], [2, 3]], dict(enumerate(CLASS_NAMES)))
+
+
+def _batch(n: int, seed: int = 0, task: int = 0, classes=(0, 1)) -> Batch:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 3, 16, 16, generator=g)
+    y = torch.tensor([classes[i % len(classes)] for i in range(n)])
+    return Batch(x, y, torch.ones(n), task)
+
+
+def test_clip_backbone_matches_transformers_clip(clip):
+    x = torch.randn(5, 3, 16, 16)
+    ref = F.normalize(clip.model.get_image_features(pixel_values=x).pooler_output, dim=-1)
+    assert torch.allclose(clip.image_features(x), ref, atol=1e-6)
+    texts = ["a photo of the digit seven.", "a ring"]
+    enc = clip.tokenize(texts)
+    ref_t = F.normalize(clip.model.get_text_features(**enc).pooler_output, dim=-1)
+    assert torch.allclose(clip.text_features(texts), ref_t, atol=1e-6)
+    emb = clip.model.text_model.embeddings.token_embedding(enc["input_ids"])
+    assert torch.allclose(clip.text_features_from_embeddings(emb, enc["input_ids"], enc["attention_mask"]), ref_t,
+                          atol=1e-6)
+    # template ensembling: the normalised mean of the normalised template embeddings
+    both = clip.class_text_features(["seven"], ["a photo of the digit {}.", "the digit {}."])
+    single = clip.text_features(["a photo of the digit seven.", "the digit seven."])
+    assert torch.allclose(both[0], F.normalize(single.mean(0), dim=-1), atol=1e-6)
+
+
+def test_clip_class_names_reach_the_sequence(assets, tmp_path):
+    from conftest import tiny_config
+    from mcit.config import load_config
+    from mcit.pipeline import preflight
+
+    cfg = load_config(tiny_config(assets, tmp_path))
+    from data_prep.digits import CLASS_NAMES
+
+    seq = preflight(cfg).sequence
+    assert len(seq.class_names) == seq.num_classes == 6
+    assert list(seq.class_names) == [CLASS_NAMES[lab] for lab in seq.labels]
+
+
+def test_vpt_nsp2_on_clip_uses_clip_classifier_and_zero_shot_is_clip(clip, digits_sequence):
+    torch.manual_seed(0)
+    cls = METHODS.get("vpt_nsp2")
+    m = cls(cls.Params(prompt_length=2, layers=[0], temperature=1.0, refine_head=True, refine_epochs=2,
+                       refine_samples=16, templates=["a photo of the digit {}."]), clip, digits_sequence)
+    assert m.text_classifier and not m.head.weight.requires_grad
+    assert {n for n, p in m.named_parameters() if p.requires_grad} == {"prompt", "logit_scale"}
+    zs = METHODS.get("clip_zero_shot")
+    base = zs(zs.Params(templates=["a photo of the digit {}."]), clip, digits_sequence)
+    b = _batch(12)
+    with m.zero_shot():
+        assert torch.equal(m.predict(b), base.predict(b))
+    sim = clip.image_features(b.pixel_values) @ base.text_feats.t()
+    assert torch.equal(base.predict(b), sim.argmax(-1))
+    # the prompts change the features outside the zero-shot context
+    assert not torch.allclose(m._logits(b.pixel_values), m._classify(clip.cls_features(b.pixel_values)))
+
+
+def test_vpt_nsp2_clip_refine_head_trains_projection_on_class_gaussians(clip, digits_sequence):
+    torch.manual_seed(0)
+    cls = METHODS.get("vpt_nsp2")
+    m = cls(cls.Params(prompt_length=2, layers=[0, 1], refine_head=True, refine_epochs=3, refine_samples=32),
+            clip, digits_sequence)
+    m.set_task(0)
+    stats = m.statistics(_batch(20))
+    assert stats["feat_sum"].shape == (2, clip.hidden_size) and stats["n"].tolist() == [10.0, 10.0]
+    w0 = m.head.weight.detach().clone()
+    m.finalize_statistics(stats, 0)
+    assert m.seen[:2].all() and not m.seen[2:].any()
+    assert not torch.equal(m.head.weight, w0) and not m.head.weight.requires_grad
+    assert int(m.tasks_projected) == 1 and m.proj1.shape == (2, clip.hidden_size, clip.hidden_size)
+    assert "refine_loss" in m.subspace_report()
+
+
+@pytest.mark.parametrize("name", ["vpt_nsp2", "clip_zero_shot"])
+def test_clip_predictions_do_not_change_with_test_batch_size(name, clip, digits_sequence):
+    torch.manual_seed(1)
+    cls = METHODS.get(name)
+    params = {"vpt_nsp2": {"prompt_length": 2, "layers": [0]}, "clip_zero_shot": {}}[name]
+    m = cls(cls.Params(**params), clip, digits_sequence)
+    b = _batch(64, seed=3)
+    b.allowed_classes = torch.ones(digits_sequence.num_classes, dtype=torch.bool)
+    full = m.predict(b)
+    one = torch.cat([m.predict(b.select(torch.tensor([i]))) for i in range(64)])
+    assert torch.equal(full, one)
+
+
+def test_clip_zero_shot_runs_the_pipeline_without_training(assets, clip_backbone, tmp_path):
+    from conftest import launch, tiny_config
+
+    cfg = tiny_config(assets, tmp_path, "zs", backbone={"kind": "clip", "path": str(clip_backbone), "tag": "tiny_clip"},
+                      method={"name": "clip_zero_shot", "templates": ["a photo of the digit {}."]},
+                      data={"root": str(assets["shards"]), "tasks": ["task0", "task1"]})
+    proc = launch(["--config", str(cfg)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = json.loads((tmp_path / "runs" / "zs" / "metrics.json").read_text())
+    assert metrics["complete"] and metrics["backbone"] == "tiny_clip"
+    acc = metrics["acc_matrix"]
+    # nothing trained: task 0's accuracy changes only because task 1's classes become allowed
+    assert acc[1][0] <= acc[0][0]
+
+
+def test_residual_prompt_on_values_equals_adding_w_o_p_after_attention():
+    """STAR-Prompt's residual p added to V in every head == W_o p added to the attention output."""
+    from transformers import ViTConfig, ViTModel
+
+    from mcit.models.vit import LayerPrompt, ViTBackbone
+
+    torch.manual_seed(0)
+    bb = ViTBackbone(ViTModel(ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                        intermediate_size=64, image_size=16, patch_size=4), add_pooling_layer=False),
+                     [0.5] * 3, [0.5] * 3)
+    h = bb.embed(torch.randn(3, 3, 16, 16))
+    p = torch.randn(3, 32)
+    layer = bb.layers[0]
+    with torch.no_grad():
+        residual = layer(h, None, mcit_prompt=LayerPrompt(value_residual=p.view(3, 4, 1, 8)))
+        o_proj = layer.attention.o_proj
+        hook = o_proj.register_forward_hook(lambda m, i, out: out + (p @ m.weight.t()).unsqueeze(1))
+        try:
+            after = layer(h, None)
+        finally:
+            hook.remove()
+        plain = layer(h, None)
+    assert torch.allclose(residual, after, atol=1e-5)
+    assert not torch.allclose(residual, plain, atol=1e-3)
+
+
+def test_mixture_fit_recovers_known_components():
+    from mcit.methods.class_gaussians import fit_mixture, sample_mixture
+
+    g = torch.Generator().manual_seed(0)
+    means = torch.tensor([[0.0, 0.0, 0.0], [6.0, 0.0, -3.0], [0.0, 8.0, 4.0]])
+    stds = torch.tensor([[1.0, 0.5, 1.0], [0.3, 0.3, 0.3], [2.0, 1.0, 0.5]])
+    counts = [600, 300, 900]
+    x = torch.cat([means[k] + stds[k] * torch.randn(n, 3, generator=g) for k, n in enumerate(counts)])
+    w, mu, var = fit_mixture(x, 3, iters=200, seed=0)
+    order = [int(torch.cdist(means[k:k + 1], mu).argmin()) for k in range(3)]
+    assert sorted(order) == [0, 1, 2]
+    assert torch.allclose(mu[order], means, atol=0.25)
+    assert torch.allclose(var[order].sqrt(), stds, rtol=0.15)
+    assert torch.allclose(w[order], torch.tensor(counts) / sum(counts), atol=0.02)
+    # sampling reproduces the mixture's moments
+    s = sample_mixture(w, mu, var, 20000, torch.Generator().manual_seed(1))
+    assert torch.allclose(s.mean(0), x.mean(0), atol=0.15)
+    # fewer samples than components: the extra components get weight 0
+    w2, _, _ = fit_mixture(x[:2], 5, iters=10)
+    assert w2[2:].eq(0).all() and torch.isclose(w2.sum(), torch.tensor(1.0))
+
+
+@pytest.fixture(scope="module")
+def vit(assets):
+    from mcit.models.vit import ViTBackbone
+
+    return ViTBackbone.from_path(assets["backbone"])
+
+
+def _star(vit, clip_backbone, sequence, **over):
+    cls = METHODS.get("star_prompt")
+    params = {"clip_path": str(clip_backbone), "mog_components": 2, "mog_iters_first": 20, "mog_iters_second": 20,
+              "gr_first_epochs": 1, "gr_second_epochs": 1, "gr_samples": 8, **over}
+    torch.manual_seed(0)
+    return cls(cls.Params(**params), vit, sequence)
+
+
+def _step(m, batch):
+    out = m(batch)
+    (out.per_sample.mean() + out.regularizer).backward()
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.grad is not None:
+                p -= 0.05 * p.grad
+                p.grad = None
+
+
+def test_star_prompt_two_levels_train_what_they_should_and_infer_per_sample(vit, clip_backbone, digits_sequence):
+    m = _star(vit, clip_backbone, digits_sequence)
+    for task in (0, 1):
+        classes = digits_sequence.tasks[task].classes
+        b = _batch(12, seed=task, task=task, classes=classes)
+        # first level: only the context tokens train; the subspace stage stores the new keys
+        m.set_task(task)
+        m.set_phase("first")
+        m.before_task(task)
+        assert [n for n, p in m.named_parameters() if p.requires_grad] == ["ctx"]
+        ctx0 = m.ctx.detach().clone()
+        _step(m, b)
+        moved = (m.ctx.detach() - ctx0).abs().sum(dim=(1, 2))
+        assert moved[list(classes)].gt(0).all() and moved.sum() == moved[list(classes)].sum()
+        m.finalize_statistics(m.statistics(b), task)
+        assert m.seen[list(classes)].all() and m.keys[list(classes)].norm(dim=-1).sub(1).abs().max() < 1e-5
+        # second level: prompts, modulation and head of this task's classes train; earlier ones do not
+        m.set_phase("second")
+        m.before_task(task)
+        assert "ctx" not in {n for n, p in m.named_parameters() if p.requires_grad}
+        p0 = m.p_0.detach().clone()
+        _step(m, b)
+        changed = (m.p_0.detach() - p0).abs().sum(dim=1)
+        assert changed[list(classes)].gt(0).any() and changed.sum() == changed[list(classes)].sum()
+        m.finalize_statistics(m.statistics(b), task)
+        assert m.mog2_w[list(classes)].sum(dim=1).sub(1).abs().max() < 1e-5
+    assert "gr_second_loss" in m.subspace_report() and "gr_first_loss" in m.subspace_report()
+    big = _batch(64, seed=5, task=1)
+    big.allowed_classes = torch.ones(digits_sequence.num_classes, dtype=torch.bool)
+    whole = m.predict(big)
+    single = torch.cat([m.predict(big.select(torch.tensor([i]))) for i in range(64)])
+    assert torch.equal(whole, single)
+
+
+def test_star_prompt_names_a_missing_clip_before_loading(assets, tmp_path):
+    from conftest import tiny_config
+    from mcit.config import ConfigError, load_config
+    from mcit.pipeline import preflight
+
+    cfg = load_config(tiny_config(assets, tmp_path, method={"name": "star_prompt", "clip_path": str(tmp_path / "nope")}))
+    with pytest.raises(ConfigError, match=r"method.clip_path: .*nope"):
+        preflight(cfg)
+
+
+def test_star_prompt_runs_both_levels_as_pipeline_stages_on_two_ranks(assets, clip_backbone, tmp_path):
+    from conftest import EVALUATE, launch, tiny_config
+
+    cfg = tiny_config(assets, tmp_path, "star", data={"tasks": ["task0", "task1"]},
+                      method={"name": "star_prompt", "clip_path": str(clip_backbone), "mog_components": 2,
+                              "mog_iters_first": 20, "mog_iters_second": 20, "gr_first_epochs": 1,
+                              "gr_second_epochs": 1, "gr_samples": 16, "first_epochs": 1},
+                      train={"epochs": 1, "deepspeed_config": "deepspeed_configs/zero2.json"})
+    res = launch(["--config", str(cfg)], launcher="deepspeed", nproc=2)
+    assert res.returncode == 0, res.stderr[-3000:]
+    run = tmp_path / "runs" / "star"
+    state = json.loads((run / "state.json").read_text())
+    assert state["completed"][:5] == ["zero_shot", "0/train.first", "0/subspace.first", "0/train.second",
+                                      "0/subspace.second"]
+    log = [json.loads(line) for line in (run / "logs" / "train.jsonl").read_text().splitlines()]
+    reports = [r for r in log if r.get("event") == "subspace"]
+    assert len(reports) == 4 and all(len(set(r["state_sha256_per_rank"])) == 1 for r in reports)
+    assert "gr_second_loss" in reports[-1]
+    metrics = json.loads((run / "metrics.json").read_text())
+    res = launch(["--run", str(run), "--task-checkpoint", "1", "--batch-size", "7"], entry=EVALUATE)
+    assert res.returncode == 0, res.stderr[-3000:]
+    row = json.loads((run / "eval" / "evaluate" / "after_task_1.json").read_text())
+    assert row["acc"] == metrics["acc_matrix"][1]
