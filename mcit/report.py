@@ -43,6 +43,10 @@ def main(argv: list[str] | None = None) -> int:
         print(M.format_summary(m))
         print()
         runs.append((m["method"], m))
+    methods = [label for label, _ in runs]
+    # one column per run: the method's name, or the run's where runs share a method (Soft-TF's
+    # inference rules, VPT-NSP² on ViT and on CLIP)
+    runs = [(m["name"] if methods.count(label) > 1 else label, m) for label, m in runs]
     if len(runs) > 1:
         print(compare_table(runs))
     sys.stdout.flush()
