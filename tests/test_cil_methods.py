@@ -28,6 +28,8 @@ SMALL = {
     # "name:variant" rows: the same method with another inference rule
     "soft_tf:gradient_id": {"g_layers": [0], "e_layers": [1], "g_prompt_length": 2, "e_prompt_length": 3,
                             "task_inference": "gradient_id", "mask_mlp": True},
+    "l2p+soft_tf": {"pool_size": 6, "top_k": 3, "prompt_length": 2},
+    "l2p+soft_tf:gradient_id": {"pool_size": 6, "top_k": 3, "prompt_length": 2, "task_inference": "gradient_id"},
 }
 CLIP_ONLY = {"clip_zero_shot", "star_prompt"}  # need the tiny CLIP: covered by tests/test_clip_methods.py
 
@@ -361,6 +363,11 @@ def test_soft_tf_masks_at_one_reproduce_the_unmasked_backbone(backbone, sequence
         m.wmask_l1_v[2].mul_(0.5)
     moved = (m.task_features(x, idx) - plain).abs().flatten(1).amax(1)
     assert moved[idx == 2].min() > 0 and moved[idx != 2].max() == 0
+    # on L2P: masks on the last blocks (both here), the L2P forward unchanged at 1
+    torch.manual_seed(0)
+    l2p = _build("l2p+soft_tf", backbone, sequence)
+    assert l2p.mask_layers == [0, 1] and l2p.task_key.shape == (3, backbone.hidden_size)
+    assert torch.equal(l2p.task_logits(x, idx), l2p._forward(x)["logits"])
 
 
 def test_soft_tf_trains_only_the_current_tasks_masks_and_infers_task_per_sample(backbone, sequence):

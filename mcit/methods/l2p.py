@@ -65,8 +65,8 @@ class L2P(Method):
             idx = major.unsqueeze(0).expand(query.shape[0], -1)
         return idx, sim
 
-    def _forward(self, pixel_values: torch.Tensor) -> dict[str, torch.Tensor]:
-        query = self.backbone.cls_features(pixel_values)
+    def _forward(self, pixel_values: torch.Tensor, query: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        query = self.backbone.cls_features(pixel_values) if query is None else query
         idx, sim = self.select(query)
         b = pixel_values.shape[0]
         prompts = self.prompt[idx].reshape(b, self.params.top_k * self.params.prompt_length, -1)

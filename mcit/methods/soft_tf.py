@@ -1,5 +1,5 @@
 """Soft-TransFormers (Soft-TF; arXiv "Soft-TransFormers for Continual Learning", ihaeyong/Soft-TF) on
-DualPrompt.
+DualPrompt (``soft_tf``, the paper's main setting) and on L2P (``l2p+soft_tf``).
 
 Each task t owns real-valued soft masks M_t, one per frozen linear map of the masked blocks (the
 attention's q, k, v and output projections; the MLP's fc1 and fc2 with ``mask_mlp``), used as
@@ -22,6 +22,10 @@ Task identity at inference, which selects both the E-prompt and the masks:
     batch leaks task identity and accuracy depends on the batch size and composition. Kept only as
     an explicitly named option to reproduce the published numbers.
 
+On L2P the prompts come from the shared pool as in L2P, which names no task; the task (for the masks)
+is then chosen by a learned key per task, pulled to its task's queries like L2P's prompt keys
+(Prompt-ID), or by the gradient rule. The masked blocks default to the last three there.
+
 Departures, each a fix: the bias masks are per task (the official SubnetLinearV1 shares one bias
 mask between tasks, so later tasks overwrite it); the entropy uses the logits the evaluation
 protocol allows (the official code takes the top C/T of all logits, including untrained classes);
@@ -38,22 +42,31 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
-from mcit.methods.base import Batch, TaskSequence
+from mcit.methods.base import Batch, MethodParams, TaskSequence
 from mcit.methods.dualprompt import DualPrompt, DualPromptParams, task_prompt_ids
-from mcit.methods.prompting import cosine
+from mcit.methods.l2p import L2P, L2PParams
+from mcit.methods.prompting import cosine, uniform_
 from mcit.registry import METHODS
 
 ATTENTION_ROLES = ("q", "k", "v", "o")
 MLP_ROLES = ("fc1", "fc2")
 
 
-class SoftTFParams(DualPromptParams):
-    mask_layers: list[int] | None = Field(None, description="masked blocks; default the E-prompt blocks")
+class SoftMaskParams(MethodParams):
+    mask_layers: list[int] | None = Field(None, description="masked blocks; default the E-prompt blocks (L2P: last 3)")
     mask_mlp: bool = Field(False, description="also mask the MLP's fc1 and fc2")
     mask_bias: bool = True
     mask_init: Literal["ones", "uniform"] = "ones"
     task_inference: Literal["prompt_id", "gradient_id", "gradient_id_batch"] = "prompt_id"
     gradient_shot: int = Field(7, ge=1, description="gradient_id_batch: samples of the batch that decide")
+
+
+class SoftTFParams(DualPromptParams, SoftMaskParams):
+    pass
+
+
+class L2PSoftTFParams(L2PParams, SoftMaskParams):
+    pass
 
 
 class _Masked:
@@ -87,21 +100,17 @@ class _Masked:
         return sum(mix[:, t].view(shape).to(x.dtype) * self._linear(x, t) for t in range(mix.shape[1]))
 
 
-@METHODS.register("soft_tf")
-class SoftTF(DualPrompt):
-    name = "soft_tf"
-    Params = SoftTFParams
+class SoftMasks:
+    """The per-task soft masks and task inference, mixed into a prompt method (DualPrompt, L2P).
+    The host provides ``task_logits(x, task)``, ``superposed_logits(rows, mix)`` and ``prompt_id(batch)``."""
 
-    def __init__(self, params: SoftTFParams, backbone: nn.Module, sequence: TaskSequence) -> None:
-        super().__init__(params, backbone, sequence)
-        if params.top_k != 1:
-            raise ValueError("method.top_k: Soft-TF selects one task (one E-prompt and one mask set) per sample")
-        self.mask_layers = list(params.e_layers if params.mask_layers is None else params.mask_layers)
+    def build_masks(self, params: SoftMaskParams, backbone: nn.Module, default_layers: list[int]) -> None:
+        self.mask_layers = list(default_layers if params.mask_layers is None else params.mask_layers)
         for layer in self.mask_layers:
             if not 0 <= layer < backbone.num_layers:
                 raise ValueError(f"method.mask_layers: {layer} is outside the backbone's {backbone.num_layers} blocks")
         self.roles = ATTENTION_ROLES + (MLP_ROLES if params.mask_mlp else ())
-        T = len(sequence)
+        T = len(self.sequence)
         # Direct parameters of the method (not a ParameterDict): ZeRO-3 gathers a module's own
         # parameters before its forward, and the masks are used inside the method's forward.
         for layer in self.mask_layers:
@@ -140,20 +149,6 @@ class SoftTF(DualPrompt):
     def _onehot(self, task: torch.Tensor) -> torch.Tensor:
         return F.one_hot(task, len(self.sequence)).to(self.head.weight.dtype)
 
-    def task_features(self, pixel_values: torch.Tensor, task: torch.Tensor) -> torch.Tensor:
-        """Head input with each sample's task ``task`` (B,): its E-prompt and its masks."""
-        idx = task.view(-1, 1)  # top_k = 1: task t's E-prompt is prompt t
-        with self.masks(self._onehot(task)):
-            return self.features(pixel_values, idx)
-
-    def train_outputs(self, batch: Batch) -> dict[str, torch.Tensor]:
-        x = batch.pixel_values
-        query = self.backbone.cls_features(x)
-        sim = cosine(query, self.e_key)
-        idx = task_prompt_ids(batch.task, 1, x.shape[0], x.device)
-        logits = self.head(self.task_features(x, idx[:, 0]).to(self.head.weight.dtype))
-        return {"logits": logits, "selected_sim": sim.gather(1, idx).sum(dim=1)}
-
     def project_update(self, name: str, delta: torch.Tensor) -> torch.Tensor | None:
         if name.startswith(("wmask_", "bmask_")):  # only the current task's masks move
             keep = torch.zeros(delta.shape[0], dtype=delta.dtype, device=delta.device)
@@ -170,10 +165,6 @@ class SoftTF(DualPrompt):
         n = sum(1 for t in self.sequence.tasks if allowed[list(t.classes)].any())
         return max(n, 1)
 
-    def prompt_id(self, batch: Batch) -> torch.Tensor:
-        idx, _ = self.select(self.backbone.cls_features(batch.pixel_values))
-        return idx[:, 0] // self.params.top_k
-
     def gradient_id(self, batch: Batch, *, per_sample: bool = True) -> torch.Tensor:
         """The one-shot entropy-gradient task of each sample (or of the batch's first samples)."""
         x = batch.pixel_values
@@ -183,9 +174,7 @@ class SoftTF(DualPrompt):
             alpha = torch.full((rows.shape[0] if per_sample else 1, T), 1.0 / T, device=x.device, requires_grad=True)
             mix = alpha if per_sample else alpha.expand(rows.shape[0], -1)
             mix = F.pad(mix, (0, len(self.sequence) - T))  # tasks not learned yet get weight 0
-            idx, _ = self.select(self.backbone.cls_features(rows))
-            with self.masks(mix):
-                logits = self.head(self.features(rows, idx).to(self.head.weight.dtype)).float()
+            logits = self.superposed_logits(rows, mix)
             sub = Batch(rows, batch.labels[: rows.shape[0]], batch.valid[: rows.shape[0]], batch.task,
                         allowed_classes=batch.allowed_classes)
             logits = self.restrict(logits, sub)
@@ -204,5 +193,76 @@ class SoftTF(DualPrompt):
     @torch.no_grad()
     def predict(self, batch: Batch) -> torch.Tensor:
         task = self.infer_task(batch)
-        logits = self.head(self.task_features(batch.pixel_values, task).to(self.head.weight.dtype))
-        return self.restrict(logits, batch).argmax(dim=-1)
+        return self.restrict(self.task_logits(batch.pixel_values, task), batch).argmax(dim=-1)
+
+
+@METHODS.register("soft_tf")
+class SoftTF(SoftMasks, DualPrompt):
+    name = "soft_tf"
+    Params = SoftTFParams
+
+    def __init__(self, params: SoftTFParams, backbone: nn.Module, sequence: TaskSequence) -> None:
+        DualPrompt.__init__(self, params, backbone, sequence)
+        if params.top_k != 1:
+            raise ValueError("method.top_k: Soft-TF selects one task (one E-prompt and one mask set) per sample")
+        self.build_masks(params, backbone, list(params.e_layers))
+
+    def task_features(self, pixel_values: torch.Tensor, task: torch.Tensor) -> torch.Tensor:
+        """Head input with each sample's task ``task`` (B,): its E-prompt and its masks."""
+        idx = task.view(-1, 1)  # top_k = 1: task t's E-prompt is prompt t
+        with self.masks(self._onehot(task)):
+            return self.features(pixel_values, idx)
+
+    def task_logits(self, pixel_values: torch.Tensor, task: torch.Tensor) -> torch.Tensor:
+        return self.head(self.task_features(pixel_values, task).to(self.head.weight.dtype))
+
+    def train_outputs(self, batch: Batch) -> dict[str, torch.Tensor]:
+        x = batch.pixel_values
+        query = self.backbone.cls_features(x)
+        sim = cosine(query, self.e_key)
+        idx = task_prompt_ids(batch.task, 1, x.shape[0], x.device)
+        return {"logits": self.task_logits(x, idx[:, 0]), "selected_sim": sim.gather(1, idx).sum(dim=1)}
+
+    def prompt_id(self, batch: Batch) -> torch.Tensor:
+        idx, _ = self.select(self.backbone.cls_features(batch.pixel_values))
+        return idx[:, 0] // self.params.top_k
+
+    def superposed_logits(self, rows: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
+        idx, _ = self.select(self.backbone.cls_features(rows))  # the query: unmasked, pre-trained
+        with self.masks(mix):
+            return self.head(self.features(rows, idx).to(self.head.weight.dtype)).float()
+
+
+@METHODS.register("l2p+soft_tf")
+class L2PSoftTF(SoftMasks, L2P):
+    name = "l2p+soft_tf"
+    Params = L2PSoftTFParams
+
+    def __init__(self, params: L2PSoftTFParams, backbone: nn.Module, sequence: TaskSequence) -> None:
+        L2P.__init__(self, params, backbone, sequence)
+        n = backbone.num_layers
+        self.build_masks(params, backbone, list(range(max(0, n - 3), n)))
+        self.task_key = uniform_((len(sequence), backbone.hidden_size))
+
+    def task_logits(self, pixel_values: torch.Tensor, task: torch.Tensor) -> torch.Tensor:
+        query = self.backbone.cls_features(pixel_values)  # before the masks: the pre-trained query
+        with self.masks(self._onehot(task)):
+            return self._forward(pixel_values, query)["logits"]
+
+    def train_outputs(self, batch: Batch) -> dict[str, torch.Tensor]:
+        x = batch.pixel_values
+        query = self.backbone.cls_features(x)
+        task = torch.full((x.shape[0],), batch.task, dtype=torch.long, device=x.device)
+        with self.masks(self._onehot(task)):
+            out = self._forward(x, query)
+        out["selected_sim"] = out["selected_sim"] + cosine(query, self.task_key)[:, batch.task]
+        return out
+
+    def prompt_id(self, batch: Batch) -> torch.Tensor:
+        sim = cosine(self.backbone.cls_features(batch.pixel_values), self.task_key)
+        return sim[:, : self._learned_tasks(batch)].argmax(dim=1)
+
+    def superposed_logits(self, rows: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
+        query = self.backbone.cls_features(rows)
+        with self.masks(mix):
+            return self._forward(rows, query)["logits"].float()
