@@ -72,8 +72,9 @@ class L2PSoftTFParams(L2PParams, SoftMaskParams):
 class _Masked:
     """A frozen nn.Linear's forward with per-sample mixtures of task masks: (B, T) weights."""
 
-    def __init__(self, lin: nn.Linear, w_mask: torch.Tensor, b_mask: torch.Tensor | None, mix: torch.Tensor) -> None:
-        self.lin, self.w_mask, self.b_mask, self.mix = lin, w_mask, b_mask, mix
+    def __init__(self, lin: nn.Linear, w_mask: torch.Tensor, b_mask: torch.Tensor | None, mix: torch.Tensor,
+                 hard: bool) -> None:
+        self.lin, self.w_mask, self.b_mask, self.mix, self.hard = lin, w_mask, b_mask, mix, hard
 
     def _linear(self, x: torch.Tensor, t: int) -> torch.Tensor:
         w = self.lin.weight * self.w_mask[t].to(self.lin.weight.dtype)
@@ -84,8 +85,7 @@ class _Masked:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         mix = self.mix
-        hard = bool(((mix == 0) | (mix == 1)).all()) and bool((mix.sum(1) == 1).all()) and not mix.requires_grad
-        if hard:  # one task per sample: run each task's rows through its own masked weights
+        if self.hard:  # one task per sample: run each task's rows through its own masked weights
             task = mix.argmax(dim=1)
             out = None
             for t in task.unique().tolist():
@@ -133,13 +133,15 @@ class SoftMasks:
         """Run the backbone with every masked linear map replaced by its per-sample mask mixture
         ``mix`` (B, T'): one-hot rows select a task's masks, other rows superpose the first T' tasks'."""
         patched = []
+        # decided once per pass, not in every masked linear map
+        hard = bool(((mix == 0) | (mix == 1)).all()) and bool((mix.sum(1) == 1).all()) and not mix.requires_grad
         try:
             for layer in self.mask_layers:
                 for role, lin in self.backbone.linears(layer).items():
                     w = getattr(self, f"wmask_l{layer}_{role}", None)
                     if w is None:
                         continue
-                    lin.forward = _Masked(lin, w, getattr(self, f"bmask_l{layer}_{role}", None), mix)
+                    lin.forward = _Masked(lin, w, getattr(self, f"bmask_l{layer}_{role}", None), mix, hard)
                     patched.append(lin)
             yield
         finally:
