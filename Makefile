@@ -9,7 +9,7 @@ CIL_METHODS  ?= seq l2p l2p_pgp dualprompt dualprompt_pgp coda_prompt hide_promp
 CIL_CONFIGS  ?= $(foreach m,$(CIL_METHODS),configs/digits_$(m).yaml)
 RUN := PATH=$(abspath $(BIN)):$$PATH DS_ACCELERATOR=cpu CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1
 
-.PHONY: install data data-cil demo demo-cil test bench clean
+.PHONY: install data data-cil demo demo-cil sweep-demo test bench clean
 
 install: $(VENV)/.installed
 
@@ -47,6 +47,12 @@ demo-cil: data-cil
 	  $(RUN) deepspeed --num_gpus $(NPROC) pipelines/run_task_sequence.py --config $$c || exit 1; \
 	done
 	$(BIN)/python -m mcit.report $(foreach c,$(CIL_CONFIGS),runs/$(basename $(notdir $(c))))
+
+# A study: VPT-NSP²'s stability-plasticity curve over eta, 3 seeds, on the embedded benchmark (15 runs, each on
+# NPROC CPU ranks through the DeepSpeed launcher), then the aggregated table and figures in runs/sweeps/.
+SWEEP_ARGS ?= --config configs/digits_vpt_nsp2.yaml --seeds 0 1 2 --grid method.eta=1.0,0.95,0.9,0.85,0.8
+sweep-demo: data-cil
+	$(RUN) $(BIN)/python -m pipelines.sweep $(SWEEP_ARGS) --nproc $(NPROC)
 
 # Two pytest workers, each test file whole on one of them (module fixtures such as the Slurm cluster
 # are built once): most tests wait on launched processes, so this is ~35% faster on 2 cores.

@@ -124,6 +124,9 @@ class EvalConfig(_Strict):
     mask_unseen_classes: bool = Field(
         True, description="class-incremental protocol: after task t only classes of tasks 0..t can be predicted "
                           "(tasks not yet seen then score 0); false = every class of the sequence competes")
+    first_task_loss: bool = Field(
+        True, description="after each task, also the method's training loss on the first task's test data "
+                          "(the training-interference curve; one extra forward pass over that split)")
 
 
 class MethodConfig(BaseModel):
@@ -164,6 +167,9 @@ class RunConfig(_Strict):
     method: MethodConfig
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
+    meta: dict[str, Any] = Field(
+        default_factory=dict, description="labels recorded with the run and copied into metrics.json (a sweep "
+                                          "puts its setting, seed and task order here); no effect on training")
 
     def resolved_run_dir(self) -> Path:
         return Path(self.run_dir) if self.run_dir else Path("runs") / self.name

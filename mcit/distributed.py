@@ -107,12 +107,12 @@ def release_shm_workspace() -> None:
     """Unlink this rank's DeepSpeed shm allreduce workspace as soon as every rank has mapped it.
 
     DeepSpeed (CPU accelerator, all ranks on one host) creates the segment in ``init_distributed``
-    and never unlinks it, so every multi-rank run left 69 MB per rank in /dev/shm, which is RAM:
+    and never unlinks it, so every launched run (one rank included) left 69 MB per rank in /dev/shm, which is RAM:
     a test suite's worth filled 20 GB and thrashed the machine. ``shm_initialize`` returns only after
     the rank has opened every peer's segment, so after a barrier all mappings exist; unlinking then
     frees the memory when the processes exit, however they exit (a killed run leaks nothing).
     """
-    if not (dist.is_initialized() and world_size() > 1):
+    if not dist.is_initialized():  # one rank under a launcher gets a segment too
         return
     path = shm_workspace_path()
     dist.barrier()

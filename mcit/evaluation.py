@@ -89,3 +89,23 @@ def evaluate_generation(method: Method, splits: list[Split], *, batch_size: int,
     if bar is not None:
         bar.close()
     return out
+
+
+@torch.no_grad()
+def evaluate_loss(method: Method, split: Split, *, task: int, batch_size: int, policy: str,
+                  collate: Callable) -> float:
+    """Mean per-sample ``method.task_loss`` over ``split`` (its samples labelled as task ``task``),
+    averaged over every rank's samples: one all_reduce, every rank gets the same value."""
+    method.eval()
+    device = dist.device()
+    total = torch.zeros(2, dtype=torch.float64)
+    for batch in eval_batches(split, rank=dist.rank(), world=dist.world_size(), batch_size=batch_size,
+                              policy=policy, collate=collate):
+        batch.task = task
+        batch = batch.to(device)
+        per_sample = method.task_loss(batch).detach().double().cpu()
+        valid = batch.valid.detach().double().cpu()
+        total[0] += float((per_sample * valid).sum())
+        total[1] += float(valid.sum())
+    dist.all_reduce_sum(total)
+    return float(total[0] / total[1]) if total[1] > 0 else float("nan")

@@ -136,13 +136,27 @@ def preflight(cfg: RunConfig, base: Path | None = None, *, run_dir: Path | None 
 def check_run_dir(cfg: RunConfig, run_dir: Path) -> None:
     """Refuse to mix two runs: an existing run directory must hold this exact resolved config."""
     existing = run_dir / "config.yaml"
-    if existing.is_file() and existing.read_text() != dump_config(cfg):
+    if existing.is_file() and not _same_config(existing, cfg):
         raise RunDirError(
             f"run directory {run_dir} holds a run with a different config ({existing}); "
             f"use another run_dir (e.g. run_dir={run_dir}_2) or restore the original config")
     # logs/ alone may be there already: the Slurm job scripts put the launcher's per-rank logs in it
     if run_dir.exists() and not existing.is_file() and any(p.name != "logs" for p in run_dir.iterdir()):
         raise RunDirError(f"run directory {run_dir} exists, is not empty and has no config.yaml; refusing to write into it")
+
+
+def _same_config(existing: Path, cfg: RunConfig) -> bool:
+    """The run directory's config.yaml, validated again (keys added to the schema since it was written
+    take their defaults), equals ``cfg``."""
+    import yaml
+
+    from mcit.config import validate_config
+
+    try:
+        old = validate_config(yaml.safe_load(existing.read_text()) or {}, str(existing))
+    except (ConfigError, yaml.YAMLError):
+        return False
+    return dump_config(old) == dump_config(cfg)
 
 
 class Pipeline:
@@ -318,9 +332,21 @@ class Pipeline:
             self._stream_statistics(self.plan.train[t], self._collate(t, train=True), t)
         self._mark(key, method_state=self._save_current(key))
 
+    def _first_task_loss(self) -> float | None:
+        """The method's training loss on the first task's test split under the current state (the
+        training-interference curve: how much each later task moves the first task's loss)."""
+        if not self.cfg.eval.first_task_loss:
+            return None
+        from mcit.evaluation import evaluate_loss
+
+        split = self.plan.test[0]
+        return evaluate_loss(self.method, split, task=0, batch_size=self.cfg.eval.batch_size,
+                             policy=self.cfg.data.split, collate=self._collate(0, train=True, split=split))
+
     def stage_eval(self, t: int) -> None:
         self.method.set_task(t)  # also when a resumed run starts at this stage
         row = self._eval_row(f"task {t} eval", t + 1, f"after_task_{t}")
+        row["first_task_loss"] = self._first_task_loss()
         if dist.is_main():
             write_json(self.run_dir / "eval" / f"after_task_{t}.json", row)
         self._mark(f"{t}/eval")
@@ -353,9 +379,12 @@ class Pipeline:
         T = len(self.plan.names)
         sub = [row[:done] for row in acc]
         m = M.compute(sub, counts[:done], zs[:done] if zs else None)
+        first_loss = [read_json(self.run_dir / "eval" / f"after_task_{t}.json").get("first_task_loss")
+                      for t in range(done)]
         out = {"name": self.cfg.name, "method": self.cfg.method.name, "backbone": self.cfg.backbone.tag,
                "tasks": self.plan.names, "test_counts": counts, "acc_unit": "percent",
-               "complete": done == T, "tasks_done": done, "acc_matrix": acc, "zero_shot": zs, **m}
+               "complete": done == T, "tasks_done": done, "acc_matrix": acc, "zero_shot": zs,
+               "first_task_loss": first_loss, "seed": self.cfg.seed, "meta": self.cfg.meta, **m}
         write_json(self.run_dir / "metrics.json", out)
         if done == T:
             M.heatmap(self.run_dir / "acc_matrix.png", self.plan.names, acc, f"{self.cfg.name} ({self.cfg.method.name})")

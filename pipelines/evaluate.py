@@ -118,6 +118,7 @@ def evaluate(plan, ks: list[int], tasks: list[int], *, zero_shot: bool, write_ro
             pipe._reload(load_state(plan.run_dir / "checkpoints" / f"task_{k}" / "method.safetensors"))
             pipe.method.set_task(k)
             row = pipe._eval_row(f"after task {k}", k + 1, tag, tasks, out_dir / "answers")
+            row["first_task_loss"] = pipe._first_task_loss()
         row.update({"tasks": [plan.names[i] for i in tasks], "checkpoint": None if k is None else k,
                     "world_size": dist.world_size()})
         if dist.is_main():

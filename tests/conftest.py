@@ -127,3 +127,46 @@ def mcit_config(assets: dict[str, Path], tmp: Path, name: str = "mcit", **sectio
         "eval": {"batch_size": 16, "max_new_tokens": 3},
     }
     return _write_config(cfg, tmp, name, sections)
+
+
+def sweep_spec(assets: dict[str, Path], tmp: Path, **spec) -> Path:
+    """A sweep spec over two tiny 2-task configs (L2P and VPT-NSP², 1 epoch), written as tmp/sweep.yaml."""
+    configs = [tiny_config(assets, tmp, name, method=method, data={"tasks": ["task0", "task1"]},
+                           train={"epochs": 1, "checkpoint_every": 50})
+               for name, method in (("l2p", {"name": "l2p", "pool_size": 4, "top_k": 2, "prompt_length": 2}),
+                                    ("vpt_nsp2", {"name": "vpt_nsp2", "prompt_length": 2, "temperature": 2.0}))]
+    body = {"name": "tiny", "configs": [str(c) for c in configs], "seeds": [0, 1], "orders": [0, 1],
+            "out": str(tmp / "sweep"), **spec}
+    path = tmp / "sweep.yaml"
+    path.write_text(yaml.safe_dump(body))
+    return path
+
+
+def check_aggregate_against_runs(sweep_dir: Path, expected_points: int, ddof: int = 1) -> dict:
+    """The sweep's aggregate.json / aggregate.csv equal the mean and std recomputed here from the points'
+    own metrics.json files (grouped by the config and setting each run recorded in its meta)."""
+    import csv
+    import json
+
+    import numpy as np
+
+    agg = json.loads((sweep_dir / "aggregate.json").read_text())
+    runs = [json.loads(p.read_text()) for p in sorted((sweep_dir / "runs").glob("*/metrics.json"))]
+    assert len(runs) == expected_points and not agg["failed"]
+    by_group: dict[tuple, list[dict]] = {}
+    for m in runs:
+        assert m["complete"]
+        by_group.setdefault((m["meta"]["config"], json.dumps(m["meta"]["setting"], sort_keys=True)), []).append(m)
+    assert len(agg["groups"]) == len(by_group)
+    rows = {r["config"]: r for r in csv.DictReader((sweep_dir / "aggregate.csv").open())}
+    for g in agg["groups"]:
+        ms = by_group[(g["config"], json.dumps(g["setting"], sort_keys=True))]
+        assert g["n"] == len(ms) and g["n_failed"] == 0
+        for k in ("final_avg_acc", "avg_incremental_acc", "forgetting", "bwt"):
+            vals = np.array([m[k] for m in ms])
+            assert abs(g["metrics"][k]["mean"] - vals.mean()) < 1e-9
+            assert abs(g["metrics"][k]["std"] - vals.std(ddof=ddof)) < 1e-9
+            if len(agg["groups"]) == len(rows):  # one setting per config: the CSV row is the group
+                assert abs(float(rows[g["config"]][f"{k}_mean"]) - vals.mean()) < 1e-9
+                assert abs(float(rows[g["config"]][f"{k}_std"]) - vals.std(ddof=ddof)) < 1e-9
+    return agg

@@ -85,6 +85,11 @@ def test_predictions_do_not_change_with_test_batch_size(name, backbone, sequence
     single = torch.cat([m.predict(Batch(x[i:i + 1], big.labels[i:i + 1], big.valid[i:i + 1], 0,
                                         allowed_classes=allowed)) for i in range(64)])
     assert torch.equal(whole, single)
+    # the first task's loss as the pipeline measures it after a later task (training interference)
+    m.set_task(1)
+    with torch.no_grad():
+        loss = m.task_loss(Batch(x[:8], torch.tensor([3, 4] * 4), torch.ones(8), 0))
+    assert loss.shape == (8,) and torch.isfinite(loss).all()
 
 
 def test_dualprompt_prefix_is_built_per_sample_with_a_permute():
@@ -320,6 +325,34 @@ def test_method_runs_through_the_deepspeed_pipeline_and_evaluates_alike(method, 
     assert res.returncode == 0, res.stderr[-3000:]
     row = json.loads((run_dir / "eval" / "evaluate" / "after_task_1.json").read_text())
     assert row["acc"] == metrics["acc_matrix"][1]
+
+
+def test_ablation_switches_vpt_nsp2_conditions_and_norga_gate(backbone, sequence):
+    """VPT-NSP²: ``eta`` sets eta1 and eta2 over their own values; ``project_qk: false`` (B2 only) and
+    ``project_sp: false`` (B1 only) leave that projection the identity. NoRGa ``gate: false``: no
+    score rewrite, gate parameters neither trained nor in the optimizer, features change."""
+    cls = METHODS.get("vpt_nsp2")
+    assert cls.Params(eta=0.9, eta1=0.5).eta1 == cls.Params(eta=0.9).eta2 == 0.9
+    x = torch.randn(16, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    projections = {}
+    for flags in ({}, {"project_qk": False}, {"project_sp": False}):
+        torch.manual_seed(0)  # the same prompts each time
+        m = _build("vpt_nsp2", backbone, sequence, eta=1.0, **flags)
+        m.finalize_statistics(m.statistics(Batch(x, torch.tensor([3, 4] * 8), torch.ones(16), 0)), 0)
+        projections[tuple(flags)] = (m.proj1[0].clone(), m.proj2[0].clone())
+    eye1, eye2 = torch.eye(projections[()][0].shape[0]), torch.eye(projections[()][1].shape[0])
+    assert not torch.allclose(projections[()][0], eye1) and not torch.allclose(projections[()][1], eye2)
+    assert torch.equal(projections[("project_qk",)][0], eye1) and torch.equal(projections[("project_qk",)][1], projections[()][1])
+    assert torch.equal(projections[("project_sp",)][1], eye2) and torch.equal(projections[("project_sp",)][0], projections[()][0])
+    torch.manual_seed(0)
+    on = _build("norga", backbone, sequence)
+    torch.manual_seed(0)
+    off = _build("norga", backbone, sequence, gate=False)
+    assert on.gate(0) is not None and off.gate(0) is None
+    assert not off.gate_tau.requires_grad and not off.gate_alpha.requires_grad
+    assert {id(p) for g in off.param_groups() for p in g["params"]}.isdisjoint({id(off.gate_tau), id(off.gate_alpha)})
+    prefix = on.e_prompt[:, :, 0].unsqueeze(1).expand(-1, 4, -1, -1, -1, -1)
+    assert not torch.allclose(on.prompted_features(x[:4], prefix), off.prompted_features(x[:4], prefix))
 
 
 def test_vpt_nsp2_null_space_criterion_matches_the_official_rule():

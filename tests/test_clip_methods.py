@@ -122,8 +122,11 @@ def test_clip_zero_shot_runs_the_pipeline_without_training(assets, clip_backbone
     metrics = json.loads((tmp_path / "runs" / "zs" / "metrics.json").read_text())
     assert metrics["complete"] and metrics["backbone"] == "tiny_clip"
     acc = metrics["acc_matrix"]
-    # nothing trained: task 0's accuracy changes only because task 1's classes become allowed
+    # nothing trained: task 0's accuracy changes only because task 1's classes become allowed, and the
+    # loss on task 0 (over its own classes) does not change at all
     assert acc[1][0] <= acc[0][0]
+    first = metrics["first_task_loss"]
+    assert len(first) == 2 and first[0] > 0 and abs(first[1] - first[0]) < 1e-6
 
 
 def test_residual_prompt_on_values_equals_adding_w_o_p_after_attention():
@@ -231,6 +234,10 @@ def test_star_prompt_two_levels_train_what_they_should_and_infer_per_sample(vit,
     whole = m.predict(big)
     single = torch.cat([m.predict(big.select(torch.tensor([i]))) for i in range(64)])
     assert torch.equal(whole, single)
+    with torch.no_grad():  # the first task's loss, as the pipeline measures it after each task
+        first = _batch(12, seed=0, task=0, classes=digits_sequence.tasks[0].classes)
+        loss = m.task_loss(first)
+    assert loss.shape == (12,) and torch.isfinite(loss).all()
 
 
 def test_star_prompt_names_a_missing_clip_before_loading(assets, tmp_path):

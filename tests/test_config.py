@@ -99,3 +99,22 @@ def test_lr_schedule_is_per_epoch(tmp_path, schedule, extra, factors):
     steps_per_epoch = 3
     got = [lr_factor(cfg, e * steps_per_epoch + 2, steps_per_epoch) for e in range(4)]
     assert got == pytest.approx(factors)
+
+
+def test_a_run_dir_written_before_a_new_config_key_still_resumes(tmp_path):
+    """check_run_dir compares validated configs: a config.yaml that lacks keys added to the schema since
+    (they take their defaults) belongs to the same run; a changed value does not."""
+    from mcit.config import dump_config
+    from mcit.pipeline import RunDirError, check_run_dir
+
+    cfg = load_config(write(tmp_path, BASE, "r.yaml"))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    old = yaml.safe_load(dump_config(cfg))
+    del old["meta"], old["eval"]["first_task_loss"]  # as written by an older version
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(old, sort_keys=False))
+    check_run_dir(cfg, run_dir)
+    old["train"]["lr"] = 0.5
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(old, sort_keys=False))
+    with pytest.raises(RunDirError, match="holds a run with a different config"):
+        check_run_dir(cfg, run_dir)

@@ -35,9 +35,11 @@ def test_extension_dir_defaults_to_this_environment(monkeypatch):
     assert os.environ.get("TORCH_EXTENSIONS_DIR", str(root)) == str(root)
 
 
-def test_multi_rank_run_leaves_no_deepspeed_shm_workspace(tmp_path):
-    """DeepSpeed's CPU shm allreduce never unlinks its 69 MB per-rank segment; init() does, while the
-    ranks still run (so a killed run leaks nothing either) and the shm allreduce keeps working."""
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_launched_run_leaves_no_deepspeed_shm_workspace(tmp_path, nproc):
+    """DeepSpeed's CPU shm allreduce never unlinks its 69 MB per-rank segment (a single launched rank
+    gets one too: sweeps run such points by the dozen); init() does, while the ranks still run (so a
+    killed run leaks nothing either) and the shm allreduce keeps working."""
     import json
     import subprocess
     import sys
@@ -46,14 +48,14 @@ def test_multi_rank_run_leaves_no_deepspeed_shm_workspace(tmp_path):
     from conftest import ROOT, free_port, run_env
 
     port = free_port()
-    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(port),
+    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(port),
            "--no_local_rank", str(ROOT / "tests" / "workers" / "shm_workspace.py"), str(tmp_path)]
     proc = subprocess.run(cmd, cwd=ROOT, env=run_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(nproc)]
     for rec in records:
         assert rec["shm_op"], "DeepSpeed's shm comm op did not load, so this test checks nothing"
         assert rec["path"].endswith(f"_127.0.0.1_{port}_{rec['rank']}")
         assert not rec["exists"], f"{rec['path']} still exists after init()"
-        assert rec["sum"] == [3.0] * 4
+        assert rec["sum"] == [nproc * (nproc + 1) / 2] * 4
     assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))

@@ -96,6 +96,34 @@ def test_generation_does_not_depend_on_the_batch(llava):
     assert together == alone
 
 
+def test_fwd_prompt_ablations_project_onto_or_out_of_the_pretrained_space(llava):
+    """``combine: pretrained_only`` keeps every update inside the pre-trained core space (reuse only);
+    the default keeps updates out of the old tasks' spaces; ``project: false`` leaves them alone."""
+    from mcit.methods.base import TaskSequence
+    from mcit.registry import METHODS
+
+    bb, _, _ = llava
+    cls = METHODS.get("fwd_prompt")
+    seq = TaskSequence.from_label_spaces(["c"], [[]])
+    d = bb.hidden_size
+    basis = torch.linalg.qr(torch.randn(d, 3, generator=torch.Generator().manual_seed(0)))[0]
+    delta = torch.randn(4, 2, d, generator=torch.Generator().manual_seed(1))
+    out = {}
+    for combine in ("pretrained_only", "reuse_pretrained"):
+        m = cls(cls.Params(pool_size=4, top_n=2, prompt_length=2, combine=combine), bb, seq)
+        assert cls.reference_required(m.params)
+        m.pre_basis[:, :3] = basis
+        m.pre_rank.fill_(3)
+        m.task_basis[:, :3] = basis
+        m.task_rank.fill_(3)
+        out[combine] = m.project_update("prompts", delta.clone())
+    inside = out["pretrained_only"]
+    assert (inside - inside @ basis @ basis.T).abs().max() < 1e-5 and inside.abs().max() > 0
+    assert (out["reuse_pretrained"] @ basis).abs().max() < 1e-5
+    off = cls(cls.Params(pool_size=4, top_n=2, prompt_length=2, project=False), bb, seq)
+    assert off.project_update("prompts", delta) is None
+
+
 def test_lora_rebuild_reuses_injected_adapters(llava):
     from mcit.methods.base import TaskSequence
     from mcit.registry import METHODS

@@ -171,3 +171,33 @@ def test_evaluate_under_srun_on_two_nodes_reproduces_the_rows(slurm, one_node_ru
     assert "evaluated on 2 process(es)" in r.stdout
     rows = [json.loads((run_dir / "eval" / "evaluate" / f"after_task_{k}.json").read_text()) for k in range(2)]
     assert [row["acc"] for row in rows] == _metrics(run_dir)["acc_matrix"] and rows[0]["world_size"] == 2
+
+
+def test_sweep_runs_as_a_job_array_and_resubmits_only_unfinished_points(slurm, assets, tmp_path_factory):
+    """2 methods x 2 seeds x 2 class orders as one array job (``%2`` throttle) of
+    pipelines/slurm/sweep_array.sbatch; the table equals the mean / std recomputed from the runs; one
+    point's run is then removed and the same command submits an array of exactly that point."""
+    from conftest import check_aggregate_against_runs, sweep_spec
+
+    tmp = tmp_path_factory.mktemp("slurm_sweep")
+    spec = sweep_spec(assets, tmp)
+    cmd = [sys.executable, "-m", "pipelines.sweep", "--spec", str(spec), "--launch", "slurm", "--throttle", "2", "--wait"]
+    env = {**slurm["env"], "MCIT_GPUS_PER_NODE": "1"}
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    out = tmp / "sweep"
+    logs = "".join(p.read_text() for p in sorted((out / "logs").glob("slurm-*.out")))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:] + logs[-3000:]
+    job = re.search(r"submitted array job (\d+) \(8 points, --array=0-7%2\)", r.stdout)
+    assert job, r.stdout
+    arrays = sorted(out.glob("logs/slurm-*_*.out"))
+    assert len(arrays) == 8 and all("mcit: run finished" in p.read_text() for p in arrays)
+    assert f"array task {job.group(1)}_7:" in logs
+    agg = check_aggregate_against_runs(out, 8)
+    assert all(g["n"] == 4 for g in agg["groups"])
+    # re-submission: only the point whose run is gone
+    shutil.rmtree(out / "runs" / "l2p__s1_o1")
+    again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    assert re.search(r"submitted array job \d+ \(1 points, --array=0-0%2\); 7 already finished", again.stdout)
+    check_aggregate_against_runs(out, 8)
+    print("\n" + (out / "aggregate.md").read_text())

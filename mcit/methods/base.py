@@ -127,8 +127,14 @@ class LossTerms(dict):
     """
 
     def __init__(self, per_sample: torch.Tensor, regularizer: torch.Tensor | None = None,
-                 logs: dict[str, float] | None = None) -> None:
-        super().__init__(per_sample=per_sample, regularizer=regularizer, logs=dict(logs or {}))
+                 logs: dict[str, float] | None = None, task: torch.Tensor | None = None) -> None:
+        super().__init__(per_sample=per_sample, regularizer=regularizer, logs=dict(logs or {}), task=task)
+
+    @property
+    def task(self) -> torch.Tensor | None:
+        """The per-sample task loss alone (cross-entropy / LM loss), where ``per_sample`` adds a method's
+        own per-sample terms (key pull, TII head): what the training-interference curve measures."""
+        return self["task"]
 
     @property
     def per_sample(self) -> torch.Tensor:
@@ -204,6 +210,12 @@ class Method(nn.Module):
     @abstractmethod
     def loss(self, batch: Batch, outputs: dict[str, torch.Tensor]) -> LossTerms:
         """Task loss plus the method's own terms, per sample where they are per sample."""
+
+    def task_loss(self, batch: Batch) -> torch.Tensor:
+        """Per-sample training loss of ``batch`` as data of task ``batch.task``, without an update: the
+        pipeline measures it on the first task's data after every task (training interference)."""
+        terms = self.loss(batch, self.train_outputs(batch))
+        return terms.task if terms.task is not None else terms.per_sample
 
     def project_update(self, name: str, delta: torch.Tensor) -> torch.Tensor | None:
         """Confine the optimizer's update of parameter ``name`` to a subspace.

@@ -10,10 +10,12 @@ set of allowed classes grows.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
 from mcit.methods.base import Batch, LossTerms, Method, MethodParams, TaskSequence
+from mcit.methods.prompting import mask_to_classes
 from mcit.registry import METHODS
 
 
@@ -35,10 +37,14 @@ class CLIPZeroShot(Method):
                              persistent=False)
 
     def train_outputs(self, batch: Batch) -> dict[str, torch.Tensor]:
-        raise RuntimeError("clip_zero_shot has nothing to train")
+        """CLIP's logits (exp(logit_scale) * cosine). Nothing trains; the pipeline still measures the loss
+        on the first task (a flat training-interference line, the reference for the CLIP methods)."""
+        sim = self.backbone.image_features(batch.pixel_values) @ self.text_feats.t()
+        return {"logits": self.backbone.logit_scale.exp().float() * sim.float()}
 
     def loss(self, batch: Batch, outputs: dict[str, torch.Tensor]) -> LossTerms:
-        raise RuntimeError("clip_zero_shot has nothing to train")
+        logits = mask_to_classes(outputs["logits"], self.sequence.tasks[batch.task].classes)
+        return LossTerms(per_sample=F.cross_entropy(logits, batch.labels, reduction="none"))
 
     @torch.no_grad()
     def predict(self, batch: Batch) -> torch.Tensor:

@@ -136,7 +136,7 @@ class DualPrompt(Method):
         if self.params.train_mask:
             logits = mask_to_classes(logits, self.sequence.tasks[batch.task].classes)
         ce = F.cross_entropy(logits, batch.labels, reduction="none")
-        return LossTerms(per_sample=ce - self.params.pull_coeff * outputs["selected_sim"],
+        return LossTerms(per_sample=ce - self.params.pull_coeff * outputs["selected_sim"], task=ce,
                          logs={"pull_sim": float(outputs["selected_sim"].detach().mean())})
 
     @torch.no_grad()

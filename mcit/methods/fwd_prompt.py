@@ -22,7 +22,11 @@
     space, so the pre-trained directions are never locked by a task and stay open to every later
     task: updates may move along knowledge shared with pre-training (positive forward transfer),
     and the task-specific directions of old tasks are protected (anti-forgetting);
-  - ``residual``: plain GPM on the raw embeddings; the pre-trained space is not used.
+  - ``residual``: plain GPM on the raw embeddings; the pre-trained space is not used (the
+    ablation "residual-space projection only");
+  - ``pretrained_only``: the update is projected *onto* the pre-trained core space and old tasks'
+    spaces are not protected (the ablation "pre-trained-space reuse only": every task moves the
+    prompts only along directions shared with pre-training).
 
   The paper describes the projection as "to the residual space ... and to the pre-trained subspace"
   without a numeric recipe in the text available to us; ``reuse_pretrained`` is our reading of it,
@@ -59,7 +63,7 @@ class FwdPromptParams(MethodParams):
     key_loss_weight: float = Field(0.5, ge=0)
     eps_task: float = Field(0.99, gt=0, le=1, description="energy kept in each old task's core space")
     eps_pretrained: float = Field(0.6, gt=0, le=1, description="energy of the pre-trained core space")
-    combine: Literal["reuse_pretrained", "residual"] = "reuse_pretrained"
+    combine: Literal["reuse_pretrained", "residual", "pretrained_only"] = "reuse_pretrained"
     normalize_tokens: bool = Field(True, description="accumulate unit-norm token embeddings (see the docstring)")
     project: bool = Field(True, description="false: the same pool without projection (ablation)")
 
@@ -86,7 +90,7 @@ class FwdPrompt(InstructionMethod):
 
     @classmethod
     def reference_required(cls, params: FwdPromptParams) -> bool:
-        return params.combine == "reuse_pretrained"
+        return params.combine in ("reuse_pretrained", "pretrained_only")
 
     # -- selection ------------------------------------------------------------------------------
     def select_prompts(self, batch: Batch, embeds: torch.Tensor, image_query: torch.Tensor
@@ -104,7 +108,7 @@ class FwdPrompt(InstructionMethod):
 
     def loss(self, batch: Batch, outputs: dict[str, Any]) -> LossTerms:
         lm, pull = outputs["lm_loss"], outputs["pull"]
-        return LossTerms(per_sample=lm + self.params.key_loss_weight * pull,
+        return LossTerms(per_sample=lm + self.params.key_loss_weight * pull, task=lm,
                          logs={"lm_loss": float(lm.detach().mean()), "pull": float(pull.detach().mean())})
 
     # -- subspaces ------------------------------------------------------------------------------
@@ -138,7 +142,12 @@ class FwdPrompt(InstructionMethod):
         self.task_rank.fill_(k)
 
     def project_update(self, name: str, delta: torch.Tensor) -> torch.Tensor | None:
-        if name != "prompts" or not self.params.project or int(self.task_rank) == 0:
+        if name != "prompts" or not self.params.project:
+            return None
+        if self.params.combine == "pretrained_only":  # onto the pre-trained space: delta B B^T
+            pre = self._basis("pre").to(delta.device).double()
+            return ((delta.double() @ pre) @ pre.T).to(delta.dtype)
+        if int(self.task_rank) == 0:
             return None
         return project_out(delta.double(), self._basis("task").to(delta.device)).to(delta.dtype)
 

@@ -162,7 +162,7 @@ class HiDePrompt(Method):
         reg = None
         if self.params.reg > 0:
             reg = self.params.reg * self.contrastive(outputs["feats"][batch.valid.bool()].float())
-        return LossTerms(per_sample=ce + tii_ce, regularizer=reg,
+        return LossTerms(per_sample=ce + tii_ce, regularizer=reg, task=ce,
                          logs={"wtp_ce": float(ce.detach().mean()), "tii_ce": float(tii_ce.detach().mean())})
 
     # -- inference ---------------------------------------------------------------------------------

@@ -7,6 +7,8 @@ s_hat = s + alpha * act(tau * s), with alpha and tau learnable per prompted bloc
 as the official scripts) and ``activation`` sigmoid (default), tanh or GELU; the gated prefix scores
 and the block's own (pre-trained) scores share one softmax. The official NoRGa_Attention computes
 exactly this (``prompt_attn + gate_act(prompt_attn * act_scale[0]) * act_scale[1]``).
+``gate: false`` is the paper's "without the gate" ablation: plain prefix scores (HiDe-Prompt's), and
+alpha, tau are neither used nor trained.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class NoRGaParams(HiDePromptParams):
     activation: Literal["sigmoid", "tanh", "gelu"] = "sigmoid"
     tau_init: float = 1.0
     alpha_init: float = 1.0
+    gate: bool = True
 
 
 @METHODS.register("norga")
@@ -40,14 +43,17 @@ class NoRGa(HiDePrompt):
         super().__init__(params, backbone, sequence)
         n = len(params.e_layers)
         self.gate_tau = nn.Parameter(torch.full((n,), params.tau_init))
-        self.gate_alpha = nn.Parameter(torch.full((n,), params.alpha_init))
+        self.gate_alpha = nn.Parameter(torch.full((n,), params.alpha_init), requires_grad=params.gate)
+        self.gate_tau.requires_grad_(params.gate)
 
     def param_groups(self) -> list[dict]:
         groups = super().param_groups()
-        groups[0]["params"] = [self.e_prompt, self.gate_tau, self.gate_alpha]
+        groups[0]["params"] = [self.e_prompt, self.gate_tau, self.gate_alpha] if self.params.gate else [self.e_prompt]
         return groups
 
-    def gate(self, layer_index: int) -> Callable[[torch.Tensor, int], torch.Tensor]:
+    def gate(self, layer_index: int) -> Callable[[torch.Tensor, int], torch.Tensor] | None:
+        if not self.params.gate:
+            return None
         act = ACTIVATIONS[self.params.activation]
         tau, alpha = self.gate_tau[layer_index], self.gate_alpha[layer_index]
 

@@ -21,6 +21,10 @@ official ModAdam does. From the second task on, the L_LN loss keeps each prompt 
 standard deviation (over D) at the previous task's values, which keeps the LayerNorm in front of the
 attention close to linear -- the assumption the null-space conditions rest on.
 
+Ablations (the paper's): ``project_qk: false`` drops condition B1 (P1 = I), ``project_sp: false``
+drops B2 (P2 = I), ``ln_loss_coeff: 0`` turns L_LN off, ``eta1 != eta2`` weighs the two separately,
+``eta`` sets both (the stability-plasticity curve), ``null_space: false`` is plain sequential VPT.
+
 CLIP variant (the paper's CLIP rows; official ``train_*_clip.sh``): the same prompts and
 projections on CLIP's image encoder (``layers`` = the first blocks, eta 0.98), and the classifier is
 CLIP's own: logits = exp(logit_scale) * cos(W_proj h_cls, t_c) with t_c the class names' text
@@ -39,7 +43,7 @@ from typing import Iterator, Literal
 import numpy as np
 import torch
 import torch.nn.functional as F
-from pydantic import Field
+from pydantic import Field, model_validator
 from torch import nn
 
 from mcit.methods.base import Batch, LossTerms, Method, MethodParams, TaskSequence
@@ -55,6 +59,10 @@ class VPTNSP2Params(MethodParams):
     null_space: bool = Field(True, description="false: plain sequential VPT-deep with per-task heads (no projection, no L_LN)")
     eta1: float = Field(0.97, ge=0, le=1, description="weight of the null-space projection P1 (Q_X W_k)")
     eta2: float = Field(0.97, ge=0, le=1, description="weight of the null-space projection P2 (S_P)")
+    eta: float | None = Field(None, ge=0, le=1, description="sets eta1 and eta2 together, over their own values (the "
+                                                             "paper's one eta: its stability-plasticity curve)")
+    project_qk: bool = Field(True, description="ablation B1: the projection from Q_X W_k (P1); false = P1 is I")
+    project_sp: bool = Field(True, description="ablation B2: the projection from S_P (P2); false = P2 is I")
     thres_mode: str = Field("adaptive", pattern="^(adaptive|times)$")
     thres1: float = Field(0.0, description="adaptive: offset of the knee (fraction < 1 or count); times: multiple")
     thres2: float = Field(0.0)
@@ -69,6 +77,12 @@ class VPTNSP2Params(MethodParams):
     refine_epochs: int = Field(50, ge=0)
     refine_lr: float = Field(0.001, gt=0)
     refine_samples: int = Field(256, ge=1, description="samples per class and epoch")
+
+    @model_validator(mode="after")
+    def _one_eta(self) -> "VPTNSP2Params":
+        if self.eta is not None:  # overrides eta1 / eta2 (a config's own values included)
+            self.eta1 = self.eta2 = self.eta
+        return self
 
 
 def null_space_start(svals: np.ndarray, mode: str, value: float) -> int:
@@ -295,6 +309,10 @@ class VPTNSP2(Method):
             self.cov2[i] += reduced[f"sp_{i}"].to(self.cov2)
             p1, k1 = null_projection(self.cov1[i].cpu(), self.params.thres_mode, self.params.thres1, self.params.eta1)
             p2, k2 = null_projection(self.cov2[i].cpu(), self.params.thres_mode, self.params.thres2, self.params.eta2)
+            if not self.params.project_qk:  # ablation: condition B1 not enforced
+                p1, k1 = torch.eye(p1.shape[0], dtype=p1.dtype), 0
+            if not self.params.project_sp:  # ablation: condition B2 not enforced
+                p2, k2 = torch.eye(p2.shape[0], dtype=p2.dtype), 0
             self.proj1[i].copy_(p1)
             self.proj2[i].copy_(p2)
             dims1.append(k1)

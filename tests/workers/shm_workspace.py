@@ -1,4 +1,4 @@
-"""2-rank worker: initialise the group as the pipeline does, use DeepSpeed's CPU allreduce, and report
+"""Worker (1 or 2 ranks): initialise the group as the pipeline does, use DeepSpeed's CPU allreduce, and report
 whether this rank's shm workspace is still in /dev/shm while the process lives (run by
 test_distributed.py)."""
 
