@@ -182,7 +182,9 @@ def test_sweep_runs_as_a_job_array_and_resubmits_only_unfinished_points(slurm, a
     tmp = tmp_path_factory.mktemp("slurm_sweep")
     spec = sweep_spec(assets, tmp)
     cmd = [sys.executable, "-m", "pipelines.sweep", "--spec", str(spec), "--launch", "slurm", "--throttle", "2", "--wait"]
-    env = {**slurm["env"], "MCIT_GPUS_PER_NODE": "1"}
+    # each array task starts its point with torchrun (the scripts' other launcher; the deepspeed one is
+    # covered above and by the local sweep): one interpreter fewer per point on these 2 cores
+    env = {**slurm["env"], "MCIT_GPUS_PER_NODE": "1", "MCIT_LAUNCHER": "torchrun"}
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     out = tmp / "sweep"
     logs = "".join(p.read_text() for p in sorted((out / "logs").glob("slurm-*.out")))
@@ -191,7 +193,7 @@ def test_sweep_runs_as_a_job_array_and_resubmits_only_unfinished_points(slurm, a
     assert job, r.stdout
     arrays = sorted(out.glob("logs/slurm-*_*.out"))
     assert len(arrays) == 8 and all("mcit: run finished" in p.read_text() for p in arrays)
-    assert f"array task {job.group(1)}_7:" in logs
+    assert f"array task {job.group(1)}_7:" in logs and "launcher torchrun" in logs
     agg = check_aggregate_against_runs(out, 8)
     assert all(g["n"] == 4 for g in agg["groups"])
     # re-submission: only the point whose run is gone

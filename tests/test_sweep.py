@@ -83,7 +83,8 @@ def test_bad_specs_fail_in_one_line_before_any_run(assets, tmp_path):
 
 def test_local_sweep_runs_every_point_through_deepspeed_and_aggregates(assets, tmp_path):
     """2 methods x 2 seeds x 2 class orders on the embedded digits benchmark (tiny ViT, 2 tasks, 1 epoch),
-    each run through the DeepSpeed launcher; a second call finds everything finished."""
+    each run through the DeepSpeed launcher. Then the same sweep plus a config that cannot run: only
+    that point runs, fails, is listed with its exit code and log, and the sweep exits 1."""
     spec = sweep_spec(assets, tmp_path)
     r = _sweep("--spec", str(spec), "--launch", "deepspeed", "--nproc", "1")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -98,24 +99,17 @@ def test_local_sweep_runs_every_point_through_deepspeed_and_aggregates(assets, t
     m = json.loads((out / "runs" / "vpt_nsp2__s1_o1" / "metrics.json").read_text())
     assert m["meta"]["order_unit"] == "class" and len(m["first_task_loss"]) == 2
     assert all(np.isfinite(m["first_task_loss"]))
-    again = _sweep("--spec", str(spec), "--launch", "deepspeed", "--nproc", "1")
-    assert again.returncode == 0 and "8 points, 8 finished, 0 to run" in again.stdout
-    print(f"\n{agg['groups'][0]['config']}: final_avg_acc {agg['groups'][0]['metrics']['final_avg_acc']}")
 
-
-def test_a_failed_point_is_listed_and_the_rest_still_run(assets, tmp_path):
-    good = tiny_config(assets, tmp_path, "seq", method={"name": "seq", "prompt_length": 2},
-                       data={"tasks": ["task0", "task1"]}, train={"epochs": 1})
     bad = tiny_config(assets, tmp_path, "broken", method={"name": "seq"}, data={"tasks": ["task0", "task1"]},
                       backbone={"kind": "vit", "path": str(tmp_path / "no_such_backbone"), "tag": "x"})
-    args = ["--config", str(bad), "--config", str(good), "--seeds", "0", "--out", str(tmp_path / "sw"),
-            "--launch", "python"]
-    r = _sweep(*args)
-    assert r.returncode == 1, r.stderr[-2000:]
-    assert "broken__s0_o0: FAILED (exit 2" in r.stdout and "seq__s0_o0: done" in r.stdout
-    agg = json.loads((tmp_path / "sw" / "aggregate.json").read_text())
+    # options on the command line replace the spec's (grid keys and --set add to it)
+    again = _sweep("--spec", str(spec), "--config", str(tmp_path / "l2p.yaml"), "--config", str(bad),
+                   "--seeds", "0", "--orders", "0", "--launch", "deepspeed", "--nproc", "1")
+    assert again.returncode == 1, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "2 points, 1 finished, 1 to run" in again.stdout and "broken__s0_o0: FAILED (exit 2" in again.stdout
+    agg = json.loads((out / "aggregate.json").read_text())
     assert [f["point"] for f in agg["failed"]] == ["broken__s0_o0"] and agg["failed"][0]["reason"] == "exit 2"
-    assert "no_such_backbone" in (tmp_path / "sw" / "logs" / "broken__s0_o0.log").read_text()
-    assert "## Points that did not finish" in (tmp_path / "sw" / "aggregate.md").read_text()
-    seq = next(g for g in agg["groups"] if g["config"] == "seq")
-    assert seq["n"] == 1 and seq["metrics"]["final_avg_acc"]["std"] is None  # one run: no std
+    assert "no_such_backbone" in (out / "logs" / "broken__s0_o0.log").read_text()
+    assert "## Points that did not finish" in (out / "aggregate.md").read_text()
+    l2p = next(g for g in agg["groups"] if g["config"] == "l2p")
+    assert l2p["n"] == 1 and l2p["metrics"]["final_avg_acc"]["std"] is None  # one run: no std
