@@ -33,7 +33,11 @@ class BackboneConfig(_Strict):
 
     kind: Literal["vit", "clip", "llava", "instructblip", "qwen2_vl"] = "vit"
     path: str
-    tag: str = Field("local", description="free-form name recorded in the run's report")
+    tag: str = Field("local", description="a backbone zoo tag (mcit.models.zoo: `path` may then be the original "
+                                          "checkpoint file, converted once and checked), or a free-form name for "
+                                          "an HF directory; recorded with the checkpoint's sha256")
+    cache_dir: str = Field("data/backbones/converted", description="where converted zoo checkpoints are kept")
+    tokenizer: str | None = Field(None, description="CLIP from an OpenAI file: a directory with its tokenizer files")
     quantization: Literal["none", "4bit", "8bit"] = Field(
         "none", description="load the frozen backbone in 4-bit (nf4) or 8-bit through bitsandbytes")
     max_length: int = Field(2048, ge=8, description="longest tokenised sample allowed (llava)")

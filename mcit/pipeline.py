@@ -63,6 +63,8 @@ class Plan:
     sequence: TaskSequence
     scorers: list[str] | None = None  # instruction tasks: the scorer of each task
     reference: Split | None = None  # data.reference, when the method needs it
+    backbone_dir: str = ""  # the transformers directory loaded (a converted zoo checkpoint or backbone.path)
+    backbone_record: dict[str, Any] | None = None  # tag, format, source, sha256 (mcit.models.zoo.resolve)
 
 
 def preflight(cfg: RunConfig, base: Path | None = None, *, run_dir: Path | None = None) -> Plan:
@@ -85,12 +87,22 @@ def preflight(cfg: RunConfig, base: Path | None = None, *, run_dir: Path | None 
     except json.JSONDecodeError as e:
         raise ConfigError(f"train.deepspeed_config: {ds_path} is not valid JSON ({e})") from None
     generative = cfg.backbone.kind not in CLASSIFICATION_KINDS
-    if generative:
-        check_model_source(cfg.backbone.path)
-    elif cfg.backbone.kind == "clip":
-        check_clip_dir(cfg.backbone.path)
+    bb = cfg.backbone
+    if generative and not Path(bb.path).exists():  # a hub id (machines with network): nothing to hash
+        check_model_source(bb.path)
+        backbone_dir, record = bb.path, {"tag": bb.tag, "format": "hub", "source": bb.path, "sha256": None,
+                                         "loaded_from": bb.path}
     else:
-        check_checkpoint_dir(cfg.backbone.path)
+        from mcit.models.zoo import resolve
+
+        path, record = resolve(bb.kind, bb.tag, bb.path, bb.cache_dir, bb.tokenizer)
+        backbone_dir = str(path)
+    if generative:
+        check_model_source(backbone_dir)
+    elif bb.kind == "clip":
+        check_clip_dir(backbone_dir)
+    else:
+        check_checkpoint_dir(backbone_dir)
     specs = cfg.data.resolved_tasks(base)
     train = [open_split(s.train, cfg.data.verify) for s in specs]
     test = [open_split(s.test, cfg.data.verify) for s in specs]
@@ -130,7 +142,11 @@ def preflight(cfg: RunConfig, base: Path | None = None, *, run_dir: Path | None 
     if run_dir is None:  # a training run: its directory must be new or hold this exact config
         run_dir = cfg.resolved_run_dir()
         check_run_dir(cfg, run_dir)
-    return Plan(cfg, run_dir, names, train, test, sequence, scorers, reference)
+    recorded = run_dir / "backbone.json"
+    if recorded.is_file() and record.get("sha256") and json.loads(recorded.read_text()).get("sha256") != record["sha256"]:
+        raise RunDirError(f"backbone checkpoint {bb.path} is not the one run {run_dir} started with (sha256 "
+                          f"{json.loads(recorded.read_text()).get('sha256')} in {recorded}, now {record['sha256']})")
+    return Plan(cfg, run_dir, names, train, test, sequence, scorers, reference, backbone_dir, record)
 
 
 def check_run_dir(cfg: RunConfig, run_dir: Path) -> None:
@@ -358,7 +374,7 @@ class Pipeline:
                        {"task": t, "task_name": self.plan.names[t], "method": self.cfg.method.name})
             write_json(task_dir / "method.json", {
                 "task": t, "task_name": self.plan.names[t], "method": self.cfg.method.name,
-                "method_params": self.cfg.method.params().model_dump(), "backbone": self.cfg.backbone.path,
+                "method_params": self.cfg.method.params().model_dump(), "backbone": self.plan.backbone_record,
                 "tensors": {k: list(v.shape) for k, v in self.method.state_dict().items()}})
             self.write_metrics(done=t + 1)
             for steps in task_dir.glob("steps*"):
@@ -384,13 +400,15 @@ class Pipeline:
         out = {"name": self.cfg.name, "method": self.cfg.method.name, "backbone": self.cfg.backbone.tag,
                "tasks": self.plan.names, "test_counts": counts, "acc_unit": "percent",
                "complete": done == T, "tasks_done": done, "acc_matrix": acc, "zero_shot": zs,
-               "first_task_loss": first_loss, "seed": self.cfg.seed, "meta": self.cfg.meta, **m}
+               "first_task_loss": first_loss, "seed": self.cfg.seed, "meta": self.cfg.meta,
+               "backbone_sha256": (self.plan.backbone_record or {}).get("sha256"),
+               "backbone_format": (self.plan.backbone_record or {}).get("format"), **m}
         write_json(self.run_dir / "metrics.json", out)
         if done == T:
             M.heatmap(self.run_dir / "acc_matrix.png", self.plan.names, acc, f"{self.cfg.name} ({self.cfg.method.name})")
             (self.run_dir / "report.md").write_text(
                 M.report_markdown(self.cfg.name, self.cfg.method.name, self.cfg.backbone.tag, self.plan.names,
-                                  counts, acc, zs, m))
+                                  counts, acc, zs, m, out["backbone_sha256"]))
         return out
 
     # -- the loop -----------------------------------------------------------------------------------
@@ -403,7 +421,7 @@ class Pipeline:
         bb = self.cfg.backbone
         options = {} if bb.kind in CLASSIFICATION_KINDS else {"quantization": bb.quantization,
                                                                "max_length": bb.max_length}
-        self.backbone = load_backbone(bb.kind, bb.path, dtype, **options)
+        self.backbone = load_backbone(bb.kind, self.plan.backbone_dir or bb.path, dtype, **options)
         if bb.quantization == "none":  # bitsandbytes places quantized weights itself
             self.backbone = self.backbone.to(dist.device())
         self.method = self._build_method().to(dist.device())
@@ -421,6 +439,8 @@ class Pipeline:
                 from mcit.checkpoint import atomic_write_text
 
                 atomic_write_text(self.run_dir / "config.yaml", dump_config(self.cfg))
+            if self.plan.backbone_record and not (self.run_dir / "backbone.json").is_file():
+                write_json(self.run_dir / "backbone.json", self.plan.backbone_record)
         dist.barrier()
         self._load_state()
         self.logger = JsonlLogger(self.run_dir / "logs" / "train.jsonl" if dist.is_main() else None,

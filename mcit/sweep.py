@@ -529,7 +529,8 @@ def aggregate(spec: SweepSpec, points: list[Point]) -> dict[str, Any]:
     rows = []
     for g in groups.values():
         runs = g.pop("runs")
-        row = {**g, "n": len(runs), "n_failed": len(g["points"]) - len(runs),
+        shas = sorted({str(r.get("backbone_sha256")) for r in runs})
+        row = {**g, "n": len(runs), "n_failed": len(g["points"]) - len(runs), "backbone_sha256": shas,
                "seeds": sorted({r["seed"] for r in runs}), "orders": sorted({r["meta"]["order"] for r in runs}),
                "metrics": {}}
         for k in METRICS:
@@ -562,7 +563,9 @@ def markdown(agg: dict[str, Any]) -> str:
     head = "| config | method | backbone | setting | n | " + " | ".join(TABLE_METRICS) + " |\n"
     head += "|---|---|---|---|---|" + "---|" * len(TABLE_METRICS) + "\n"
     body = "".join(
-        f"| {g['config']} | {g['method']} | {g['backbone']} | {g['setting_label']} | {g['n']}"
+        f"| {g['config']} | {g['method']} | {g['backbone']}"
+        + (" (different checkpoints!)" if len(g.get("backbone_sha256", [])) > 1 else "")
+        + f" | {g['setting_label']} | {g['n']}"
         + (f" ({g['n_failed']} failed)" if g["n_failed"] else "") + " | "
         + " | ".join(_cell(g["metrics"][k]) for k in TABLE_METRICS) + " |\n" for g in agg["groups"])
     text = f"# Sweep {agg['sweep']}\n\nmean ± {agg['std']} over seeds x task orders; accuracy in %.\n\n{head}{body}"

@@ -132,7 +132,7 @@ def mcit_config(assets: dict[str, Path], tmp: Path, name: str = "mcit", **sectio
 def sweep_spec(assets: dict[str, Path], tmp: Path, **spec) -> Path:
     """A sweep spec over two tiny 2-task configs (L2P and VPT-NSP², 1 epoch), written as tmp/sweep.yaml."""
     configs = [tiny_config(assets, tmp, name, method=method, data={"tasks": ["task0", "task1"]},
-                           train={"epochs": 1, "checkpoint_every": 50})
+                           train={"epochs": 1, "checkpoint_every": 50}, eval={"batch_size": 50, "zero_shot": False})
                for name, method in (("l2p", {"name": "l2p", "pool_size": 4, "top_k": 2, "prompt_length": 2}),
                                     ("vpt_nsp2", {"name": "vpt_nsp2", "prompt_length": 2, "temperature": 2.0}))]
     body = {"name": "tiny", "configs": [str(c) for c in configs], "seeds": [0, 1], "orders": [0, 1],
@@ -170,3 +170,14 @@ def check_aggregate_against_runs(sweep_dir: Path, expected_points: int, ddof: in
                 assert abs(float(rows[g["config"]][f"{k}_mean"]) - vals.mean()) < 1e-9
                 assert abs(float(rows[g["config"]][f"{k}_std"]) - vals.std(ddof=ddof)) < 1e-9
     return agg
+
+
+# With ``--dist loadfile`` each worker takes whole files in collection order; the longest files (a Slurm
+# cluster's jobs, sweeps of launched runs, killed-and-resumed runs) go first so that none of them starts
+# last and leaves one worker running alone at the end.
+SLOW_FILES_FIRST = ("test_slurm.py", "test_sweep.py", "test_pipeline_e2e.py", "test_mcit.py")
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order

@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import EVALUATE, launch, tiny_config
 
@@ -53,6 +54,13 @@ def test_two_process_deepspeed_run_writes_metrics_and_report(reference_run):
     # step checkpoints are dropped at commit; the per-task exports stay
     assert not list(run_dir.glob("checkpoints/task_*/steps"))
     assert all((run_dir / f"checkpoints/task_{t}/method.safetensors").is_file() for t in range(3))
+    # the backbone the run used, by tag and checkpoint digest, in the run directory and the metrics
+    from mcit.models.zoo import sha256_path
+
+    record = json.loads((run_dir / "backbone.json").read_text())
+    backbone = Path(yaml.safe_load((run_dir / "config.yaml").read_text())["backbone"]["path"])
+    assert record["sha256"] == m["backbone_sha256"] == sha256_path(backbone) and record["format"] == "hf"
+    assert m["backbone_sha256"][:16] in (run_dir / "report.md").read_text()
 
 
 def test_finished_run_reprints_summary_and_does_nothing(reference_run):

@@ -181,7 +181,9 @@ class ViTBackbone(PromptableImageEncoder):
         pp = Path(path) / "preprocessor_config.json"
         if pp.is_file():
             proc = json.loads(pp.read_text())
-        return cls(model, proc.get("image_mean", [0.5] * 3), proc.get("image_std", [0.5] * 3))
+        bb = cls(model, proc.get("image_mean", [0.5] * 3), proc.get("image_std", [0.5] * 3))
+        bb.resample = int(proc.get("resample", bb.resample))  # the checkpoint's resize filter (PIL code)
+        return bb
 
     @property
     def layers(self) -> nn.ModuleList:
