@@ -297,11 +297,8 @@ def run_cli(ap: Any, argv: list[str] | None, build: Callable[[Any], Any], summar
 def publish_dir(tmp: Path, out: Path, info: dict, settings_file: str) -> dict:
     """Write ``info`` into the finished directory ``tmp`` and move it to ``out`` (replacing an older
     one): a killed pre-training run leaves only ``<out>.partial``, never a half-written ``out``."""
-    import shutil
+    from mcit.checkpoint import publish_dir as publish
 
     (tmp / settings_file).write_text(json.dumps(info, indent=1))
-    if out.exists():
-        shutil.rmtree(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp.rename(out)
+    publish(tmp, out)
     return info

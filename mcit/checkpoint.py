@@ -11,7 +11,8 @@ import torch
 
 from mcit.data.shards import atomic_write_bytes, atomic_write_text
 
-__all__ = ["atomic_write_bytes", "atomic_write_text", "save_state", "load_state", "write_json", "read_json"]
+__all__ = ["atomic_write_bytes", "atomic_write_text", "publish_dir", "save_state", "load_state", "write_json",
+           "read_json"]
 
 
 def save_state(path: Path, state: dict[str, torch.Tensor], meta: dict[str, Any] | None = None) -> None:
@@ -37,3 +38,19 @@ def write_json(path: Path, obj: Any) -> None:
 
 def read_json(path: Path) -> Any:
     return json.loads(path.read_text())
+
+
+def publish_dir(tmp: Path, out: Path, *, replace: bool = True) -> bool:
+    """Move the finished directory ``tmp`` to ``out`` by one rename, so a killed writer leaves only
+    ``tmp``, never a half-written ``out``. An existing ``out`` is replaced, or with ``replace=False``
+    kept (another process published it first) and ``tmp`` dropped; returns whether ``tmp`` was moved."""
+    import shutil
+
+    if out.exists():
+        if not replace:
+            shutil.rmtree(tmp, ignore_errors=True)
+            return False
+        shutil.rmtree(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp.rename(out)
+    return True

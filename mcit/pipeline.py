@@ -89,7 +89,6 @@ def preflight(cfg: RunConfig, base: Path | None = None, *, run_dir: Path | None 
     generative = cfg.backbone.kind not in CLASSIFICATION_KINDS
     bb = cfg.backbone
     if generative and not Path(bb.path).exists():  # a hub id (machines with network): nothing to hash
-        check_model_source(bb.path)
         backbone_dir, record = bb.path, {"tag": bb.tag, "format": "hub", "source": bb.path, "sha256": None,
                                          "loaded_from": bb.path}
     else:
@@ -143,9 +142,10 @@ def preflight(cfg: RunConfig, base: Path | None = None, *, run_dir: Path | None 
         run_dir = cfg.resolved_run_dir()
         check_run_dir(cfg, run_dir)
     recorded = run_dir / "backbone.json"
-    if recorded.is_file() and record.get("sha256") and json.loads(recorded.read_text()).get("sha256") != record["sha256"]:
+    started = json.loads(recorded.read_text()).get("sha256") if recorded.is_file() else None
+    if started and record.get("sha256") and started != record["sha256"]:
         raise RunDirError(f"backbone checkpoint {bb.path} is not the one run {run_dir} started with (sha256 "
-                          f"{json.loads(recorded.read_text()).get('sha256')} in {recorded}, now {record['sha256']})")
+                          f"{started} in {recorded}, now {record['sha256']})")
     return Plan(cfg, run_dir, names, train, test, sequence, scorers, reference, backbone_dir, record)
 
 

@@ -329,11 +329,9 @@ def regroup(specs: list, sizes: list[int], class_order: list[int], dest: Path) -
                                "sources": [str(sp.directory) for sp in splits]})
     atomic_write_text(tmp / "benchmark.json", json.dumps(
         {"class_order": class_order, "task_sizes": sizes, "sources": [[s.train, s.test] for s in specs]}, indent=1))
-    if dest.exists():  # another sweep process finished it meanwhile
-        shutil.rmtree(tmp, ignore_errors=True)
-        return
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp.rename(dest)
+    from mcit.checkpoint import publish_dir
+
+    publish_dir(tmp, dest, replace=False)  # another sweep process may have published the same order first
 
 
 # --------------------------------------------------------------------------------------------------

@@ -490,10 +490,9 @@ def export_hf(conv: Converted, out: Path, tokenizer: Path | None = None) -> Path
         _copy_tokenizer(tokenizer, tmp)
     (tmp / "zoo.json").write_text(json.dumps({"tag": e.tag, "format": e.format, "source_sha256": conv.sha256,
                                               "dropped_keys": conv.dropped}, indent=1))
-    if out.exists():
-        shutil.rmtree(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp.rename(out)
+    from mcit.checkpoint import publish_dir
+
+    publish_dir(tmp, out)
     return out
 
 
