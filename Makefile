@@ -9,7 +9,7 @@ CIL_METHODS  ?= seq l2p l2p_pgp dualprompt dualprompt_pgp coda_prompt hide_promp
 CIL_CONFIGS  ?= $(foreach m,$(CIL_METHODS),configs/digits_$(m).yaml)
 RUN := PATH=$(abspath $(BIN)):$$PATH DS_ACCELERATOR=cpu CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1
 
-.PHONY: install data data-cil demo demo-cil sweep-demo test bench clean
+.PHONY: install data data-cil demo demo-cil sweep-demo test test-unit bench clean clean-data
 
 install: $(VENV)/.installed
 
@@ -19,11 +19,33 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q --disable-pip-version-check -e ".[test]" torch==2.13.0
 	touch $@
 
-# The embedded MCIT benchmark's shards and the project's own instruction-tuned tiny LLaVA (cached in data/).
-data: install
-	$(BIN)/python -m data_prep.tiny_mcit --out data/shards/tiny_mcit
-	OMP_NUM_THREADS=$(NPROC) $(BIN)/python -m data_prep.pretrain_tiny_llava --shards data/shards/tiny_mcit \
-	  --out data/backbones/tiny_llava
+# Data and backbones are file targets: each is rebuilt only when the code that determines its bytes is newer
+# than it (make then passes --force, so the builder does not keep an older build with the same settings).
+# The venv is order-only: after upgrading packages, `make clean-data` to rebuild with the new versions.
+DIGITS     := data/shards/digits/benchmark.json
+TINY_VIT   := data/backbones/tiny_vit_procedural/pretraining.json
+TINY_CLIP  := data/backbones/tiny_clip_procedural/pretraining.json
+TINY_MCIT  := data/shards/tiny_mcit/benchmark.json
+TINY_LLAVA := data/backbones/tiny_llava/pretraining.json
+
+$(DIGITS): data_prep/digits.py mcit/data/shards.py | $(VENV)/.installed
+	$(BIN)/python -m data_prep.digits --out $(@D) --force
+
+$(TINY_VIT): data_prep/pretrain_vit.py mcit/data/procedural.py | $(VENV)/.installed
+	OMP_NUM_THREADS=$(NPROC) $(BIN)/python -m data_prep.pretrain_vit --out $(@D) --force
+
+$(TINY_CLIP): data_prep/pretrain_clip.py mcit/data/procedural.py | $(VENV)/.installed
+	OMP_NUM_THREADS=$(NPROC) $(BIN)/python -m data_prep.pretrain_clip --out $(@D) --force
+
+$(TINY_MCIT): data_prep/tiny_mcit.py mcit/data/tiny_mcit.py mcit/data/instructions.py mcit/data/shards.py | $(VENV)/.installed
+	$(BIN)/python -m data_prep.tiny_mcit --out $(@D) --force
+
+$(TINY_LLAVA): data_prep/pretrain_tiny_llava.py mcit/models/tiny_llava.py mcit/models/mllm.py mcit/data/tiny_mcit.py \
+               $(TINY_MCIT) | $(VENV)/.installed
+	OMP_NUM_THREADS=$(NPROC) $(BIN)/python -m data_prep.pretrain_tiny_llava --shards $(dir $(TINY_MCIT)) --out $(@D) --force
+
+# The embedded MCIT benchmark's shards and the project's own instruction-tuned tiny LLaVA.
+data: $(TINY_MCIT) $(TINY_LLAVA)
 
 # The main job: the MCIT sequence on 2 CPU processes with sequential prompt tuning, Fwd-Prompt and
 # sequential LoRA, then one comparison table.
@@ -36,10 +58,7 @@ demo: data
 
 # The class-incremental demo: digits shards, the tiny ViT pre-trained on procedural shapes, every CIL method
 # (2 CPU ranks each), then one comparison table.
-data-cil: install
-	$(BIN)/python -m data_prep.digits --out data/shards/digits
-	OMP_NUM_THREADS=$(NPROC) $(BIN)/python -m data_prep.pretrain_vit --out data/backbones/tiny_vit_procedural
-	OMP_NUM_THREADS=$(NPROC) $(BIN)/python -m data_prep.pretrain_clip --out data/backbones/tiny_clip_procedural
+data-cil: $(DIGITS) $(TINY_VIT) $(TINY_CLIP)
 
 demo-cil: data-cil
 	@for c in $(CIL_CONFIGS); do \
@@ -54,6 +73,10 @@ SWEEP_ARGS ?= --config configs/digits_vpt_nsp2.yaml --seeds 0 1 2 --grid method.
 sweep-demo: data-cil
 	$(RUN) $(BIN)/python -m pipelines.sweep $(SWEEP_ARGS) --nproc $(NPROC)
 
+# The quick loop: the in-process tests only (tests/unit; no launchers, no Slurm).
+test-unit: install
+	PATH=$(abspath $(BIN)):$$PATH DS_ACCELERATOR=cpu CUDA_VISIBLE_DEVICES= $(BIN)/python -m pytest -q -m unit tests
+
 # Two pytest workers, each test file whole on one of them (module fixtures such as the Slurm cluster
 # are built once): most tests wait on launched processes, so this is ~35% faster on 2 cores.
 test: install
@@ -66,3 +89,7 @@ bench: data-cil data
 
 clean:
 	rm -rf runs
+
+clean-data:
+	rm -rf data/shards/digits data/shards/tiny_mcit data/backbones/tiny_vit_procedural \
+	  data/backbones/tiny_clip_procedural data/backbones/tiny_llava

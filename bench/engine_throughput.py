@@ -44,8 +44,8 @@ def main() -> int:
     from mcit.data.loader import eval_batches
     from mcit.data.shards import open_split
     from mcit.engine import setup_engine, train_step
-    from mcit.methods.base import Batch, TaskSequence
-    from mcit.models.vit import load_backbone
+    from mcit.data.types import Batch, TaskSequence
+    from mcit.models.base import load_backbone
     from mcit.registry import METHODS
 
     cfg = load_config(args.config, [f"train.batch_size={args.batch}", f"train.deepspeed_config={args.ds_config}",

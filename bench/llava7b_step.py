@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--local_rank", type=int, default=0)
     args = ap.parse_args(argv)
 
-    from mcit.methods.base import TaskSequence
+    from mcit.data.types import TaskSequence
     from mcit.models.mllm import build_empty, llava_config
     from mcit.registry import METHODS
 
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     from mcit import distributed as dist
     from mcit.config import validate_config
     from mcit.engine import setup_engine, train_step
-    from mcit.methods.base import Batch
+    from mcit.data.types import Batch
     from mcit.models.mllm import MLLMBackbone
 
     dist.init()

@@ -22,7 +22,14 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from mcit.data.shards import MANIFEST, DataError, atomic_write_text, open_split, sha256_file
+from mcit.checkpoint import atomic_write_text
+from mcit.data.shards import (
+    MANIFEST,
+    DataError,
+    open_split,
+    sha256_file,
+    write_manifest,
+)
 
 PROGRESS = ".progress.json"
 
@@ -108,11 +115,8 @@ def write_shards(directory: Path, specs: Sequence[Any], encode: Callable[[Any], 
     shards = [{"file": nm, "num_samples": done[nm]["num_samples"], "bytes": done[nm]["bytes"],
                "sha256": done[nm]["sha256"]} for nm in names]
     skipped = [r for nm in names for r in done[nm]["skipped"]]
-    manifest = {"format": "mcit-shards/1", "num_samples": sum(s["num_samples"] for s in shards),
-                "label_space": sorted(int(c) for c in label_space),
-                "class_names": {str(k): v for k, v in (class_names or {}).items()}, "shards": shards,
-                "skipped": len(skipped), "skipped_records": skipped[:1000], **(extra or {})}
-    atomic_write_text(directory / MANIFEST, json.dumps(manifest, indent=1))
+    manifest = write_manifest(directory, shards, label_space, class_names,
+                              {"skipped": len(skipped), "skipped_records": skipped[:1000], **(extra or {})})
     prog_path.unlink(missing_ok=True)
     return manifest
 
@@ -294,11 +298,26 @@ def run_cli(ap: Any, argv: list[str] | None, build: Callable[[Any], Any], summar
     return 0
 
 
-def publish_dir(tmp: Path, out: Path, info: dict, settings_file: str) -> dict:
-    """Write ``info`` into the finished directory ``tmp`` and move it to ``out`` (replacing an older
-    one): a killed pre-training run leaves only ``<out>.partial``, never a half-written ``out``."""
-    from mcit.checkpoint import publish_dir as publish
+def builder_main(doc: str, build: Callable[..., dict], summary: Callable[[Any, dict], str], argv: list[str] | None, *,
+                 out: str, options: Sequence[str] = (), defaults: dict[str, Any] | None = None) -> int:
+    """The command of an embedded builder (a benchmark or a pre-trained backbone) that writes one directory:
+    ``--out``, an option per keyword argument of ``build`` named in ``options`` (default and type from
+    ``build``'s signature, or from ``defaults``), and ``--force`` (rebuild even if a complete build with the
+    same settings exists); runs ``build(out=..., force=..., **options)`` and prints ``summary(args, info)``."""
+    import argparse
+    import inspect
+    import sys
 
-    (tmp / settings_file).write_text(json.dumps(info, indent=1))
-    publish(tmp, out)
-    return info
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="\n".join(doc.splitlines()[1:]))
+    ap.add_argument("--out", type=Path, default=Path(out))
+    params = inspect.signature(build).parameters
+    for name in options:
+        default = (defaults or {}).get(name, params[name].default)
+        ap.add_argument(f"--{name.replace('_', '-')}", type=Path if isinstance(default, Path) else type(default),
+                        default=default)
+    ap.add_argument("--force", action="store_true", help="rebuild even if a complete build with these settings exists")
+    args = ap.parse_args(argv)
+    info = build(out=args.out, force=args.force, **{name: getattr(args, name) for name in options})
+    print(summary(args, info), file=sys.stderr)
+    return 0

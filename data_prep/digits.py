@@ -9,16 +9,15 @@ task gets ``<out>/<task>/{train,test}/`` with a manifest; ``<out>/benchmark.json
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
-import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
 
-from mcit.data.shards import atomic_write_text, open_split, write_split
+from data_prep.common import builder_main
+from mcit.checkpoint import publish_dir, staging_dir
+from mcit.data.shards import open_split, write_split
 
 CLASS_NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 
@@ -61,8 +60,7 @@ def build(out: Path, *, seed: int = 0, classes_per_task: int = 2, test_fraction:
     order = [int(c) for c in np.random.RandomState(seed).permutation(10)]
 
     tasks = []
-    tmp_root = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp_root, ignore_errors=True)
+    tmp_root = staging_dir(out)
     for t in range(10 // classes_per_task):
         classes = order[t * classes_per_task:(t + 1) * classes_per_task]
         name = f"task{t}"
@@ -76,27 +74,14 @@ def build(out: Path, *, seed: int = 0, classes_per_task: int = 2, test_fraction:
         tasks.append({"name": name, "classes": classes})
     meta = {"benchmark": "digits", "settings": settings, "class_order": order, "tasks": tasks,
             "class_names": CLASS_NAMES}
-    atomic_write_text(tmp_root / "benchmark.json", json.dumps(meta, indent=1))
-    if out.exists():
-        shutil.rmtree(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp_root.rename(out)
+    publish_dir(tmp_root, out, files={"benchmark.json": json.dumps(meta, indent=1)})
     return meta
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=Path("data/shards/digits"))
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--classes-per-task", type=int, default=2)
-    ap.add_argument("--shard-size", type=int, default=64)
-    ap.add_argument("--force", action="store_true", help="rebuild even if a complete build exists")
-    args = ap.parse_args(argv)
-    meta = build(args.out, seed=args.seed, classes_per_task=args.classes_per_task, shard_size=args.shard_size,
-                 force=args.force)
-    print(f"digits benchmark at {args.out}: class order {meta['class_order']}, "
-          f"{len(meta['tasks'])} tasks", file=sys.stderr)
-    return 0
+    return builder_main(__doc__, build, lambda a, meta: f"digits benchmark at {a.out}: class order {meta['class_order']}, "
+                        f"{len(meta['tasks'])} tasks", argv, out="data/shards/digits",
+                        options=("seed", "classes_per_task", "shard_size"))
 
 
 if __name__ == "__main__":

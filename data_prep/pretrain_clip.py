@@ -14,13 +14,13 @@ digits benchmark with real class-name prompts; the benchmark's handwritten digit
 
 from __future__ import annotations
 
-import argparse
 import json
-import shutil
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from data_prep.common import builder_main
 
 SETTINGS_FILE = "pretraining.json"
 SHAPE_TEMPLATES = ["a photo of a {}.", "a drawing of a {}.", "a blurry photo of a {}.", "a sketch of a {}."]
@@ -42,7 +42,15 @@ def concepts() -> tuple[list[str], list[list[str]]]:
 
 def build_tokenizer(texts: list[str]) -> Any:
     """A lower-cased word-level tokenizer over ``texts``: <|startoftext|> ... <|endoftext|>, as CLIP's."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.WordLevel(unk_token=SPECIAL["unk"]))
@@ -78,9 +86,11 @@ def pretrain(out: Path, *, vision_hidden: int = 64, vision_layers: int = 4, text
     import torch
     import torch.nn.functional as F
     from transformers import CLIPConfig, CLIPModel
-    from transformers.models.clip import CLIPImageProcessorPil  # no torchvision here (see PLATFORM.md)
+    from transformers.models.clip import (
+        CLIPImageProcessorPil,  # no torchvision here (see PLATFORM.md)
+    )
 
-    from data_prep.common import publish_dir
+    from mcit.checkpoint import publish_dir, staging_dir
     from mcit.data.procedural import SHAPES, generate, generate_numerals
 
     settings = dict(vision_hidden=vision_hidden, vision_layers=vision_layers, text_hidden=text_hidden,
@@ -162,8 +172,7 @@ def pretrain(out: Path, *, vision_hidden: int = 64, vision_layers: int = 4, text
     digits_acc = zero_shot(to_pixels(d_img, image_size), torch.from_numpy(digits.target), NUMERAL_NAMES,
                            [[DIGIT_TEMPLATE]] * 10)
 
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = staging_dir(out)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     CLIPImageProcessorPil(do_resize=True, size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size},
@@ -171,22 +180,16 @@ def pretrain(out: Path, *, vision_hidden: int = 64, vision_layers: int = 4, text
     info = {"settings": settings, "concepts": names, "val_zero_shot_accuracy": val_acc,
             "sklearn_digits_zero_shot_accuracy": digits_acc, "digits_template": DIGIT_TEMPLATE,
             "seconds": round(time.time() - t0, 1)}
-    return publish_dir(tmp, out, info, SETTINGS_FILE)
+    publish_dir(tmp, out, files={SETTINGS_FILE: json.dumps(info, indent=1)})
+    return info
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=Path("data/backbones/tiny_clip_procedural"))
-    ap.add_argument("--n-train", type=int, default=16000)
-    ap.add_argument("--epochs", type=int, default=6)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--force", action="store_true")
-    args = ap.parse_args(argv)
-    info = pretrain(args.out, n_train=args.n_train, epochs=args.epochs, seed=args.seed, force=args.force)
-    print(f"tiny CLIP at {args.out}: zero-shot accuracy {info['val_zero_shot_accuracy']:.3f} on held-out procedural "
-          f"pairs, {info['sklearn_digits_zero_shot_accuracy']:.3f} on scikit-learn's digits "
-          f"({info['seconds']} s to train)", file=sys.stderr)
-    return 0
+    return builder_main(__doc__, pretrain, lambda a, info: f"tiny CLIP at {a.out}: zero-shot accuracy "
+                        f"{info['val_zero_shot_accuracy']:.3f} on held-out procedural pairs, "
+                        f"{info['sklearn_digits_zero_shot_accuracy']:.3f} on scikit-learn's digits "
+                        f"({info['seconds']} s to train)", argv, out="data/backbones/tiny_clip_procedural",
+                        options=("n_train", "epochs", "seed"))
 
 
 if __name__ == "__main__":

@@ -13,12 +13,13 @@ checkpoint with the same settings is reused.
 
 from __future__ import annotations
 
-import argparse
 import json
-import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Any
+
+from data_prep.common import builder_main
 
 SETTINGS_FILE = "pretraining.json"
 
@@ -29,6 +30,7 @@ def pretrain(shards: Path, out: Path, *, epochs: int = 6, batch_size: int = 32, 
              force: bool = False, progress: bool = True) -> dict:
     import torch
 
+    from mcit.checkpoint import publish_dir, staging_dir
     from mcit.data import tiny_mcit as B
     from mcit.data.loader import eval_batches
     from mcit.data.shards import iter_samples, open_split
@@ -102,15 +104,10 @@ def pretrain(shards: Path, out: Path, *, epochs: int = 6, batch_size: int = 32, 
     info = {"settings": settings, "base_val_exact_match": correct / max(total, 1), "train_loss_ema": loss_ema,
             "vision_attribute_val_acc": vision_acc,
             "parameters": sum(p.numel() for p in model.parameters()), "seconds": time.time() - t0}
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = staging_dir(out)
     model.save_pretrained(tmp)
     processor.save_pretrained(tmp)
-    (tmp / SETTINGS_FILE).write_text(json.dumps(info, indent=1))
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+    publish_dir(tmp, out, files={SETTINGS_FILE: json.dumps(info, indent=1)})
     return info
 
 
@@ -174,23 +171,17 @@ def pretrain_vision(model, processor, *, n: int, epochs: int, seed: int, lr: flo
     return acc
 
 
+def _summary(args: Any, info: dict) -> str:
+    return ("tiny CLIP vision tower, held-out attribute accuracy: "
+            + ", ".join(f"{k} {100 * v:.1f}%" for k, v in info["vision_attribute_val_acc"].items())
+            + f"\ntiny LLaVA at {args.out}: {info['parameters']} parameters, base-mix held-out exact match "
+            f"{100 * info['base_val_exact_match']:.1f}%, {info['seconds']:.0f} s")
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shards", type=Path, default=Path("data/shards/tiny_mcit"))
-    ap.add_argument("--out", type=Path, default=Path("data/backbones/tiny_llava"))
-    ap.add_argument("--epochs", type=int, default=6)
-    ap.add_argument("--patch-size", type=int, default=8)
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--vision-layers", type=int, default=4)
-    ap.add_argument("--force", action="store_true")
-    args = ap.parse_args(argv)
-    info = pretrain(args.shards, args.out, epochs=args.epochs, patch_size=args.patch_size, lr=args.lr,
-                    vision_layers=args.vision_layers, force=args.force)
-    print("tiny CLIP vision tower, held-out attribute accuracy: "
-          + ", ".join(f"{k} {100 * v:.1f}%" for k, v in info["vision_attribute_val_acc"].items()), file=sys.stderr)
-    print(f"tiny LLaVA at {args.out}: {info['parameters']} parameters, base-mix held-out exact match "
-          f"{100 * info['base_val_exact_match']:.1f}%, {info['seconds']:.0f} s", file=sys.stderr)
-    return 0
+    return builder_main(__doc__, pretrain, _summary, argv, out="data/backbones/tiny_llava",
+                        options=("shards", "epochs", "patch_size", "lr", "vision_layers"),
+                        defaults={"shards": Path("data/shards/tiny_mcit")})
 
 
 if __name__ == "__main__":

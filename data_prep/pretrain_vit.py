@@ -8,12 +8,12 @@ real checkpoint. A finished checkpoint with the same settings is reused (the dem
 
 from __future__ import annotations
 
-import argparse
 import json
-import shutil
 import sys
 import time
 from pathlib import Path
+
+from data_prep.common import builder_main
 
 SETTINGS_FILE = "pretraining.json"
 
@@ -22,10 +22,9 @@ def pretrain(out: Path, *, hidden: int = 96, layers: int = 6, heads: int = 4, im
              patch_size: int = 4, n_train: int = 20000, epochs: int = 8, batch_size: int = 128,
              lr: float = 2e-3, seed: int = 0, force: bool = False) -> dict:
     import torch
-
-    from data_prep.common import publish_dir
     from transformers import ViTConfig, ViTForImageClassification, ViTImageProcessor
 
+    from mcit.checkpoint import publish_dir, staging_dir
     from mcit.data.procedural import SHAPES, generate, to_pixel_values
 
     settings = dict(hidden=hidden, layers=layers, heads=heads, image_size=image_size, patch_size=patch_size,
@@ -63,30 +62,19 @@ def pretrain(out: Path, *, hidden: int = 96, layers: int = 6, heads: int = 4, im
     with torch.no_grad():
         acc = float((model(pixel_values=x_va).logits.argmax(-1) == y_va).float().mean())
 
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = staging_dir(out)
     model.vit.save_pretrained(tmp)  # the bare ViTModel: what the pipeline loads
     ViTImageProcessor(do_resize=True, size={"height": image_size, "width": image_size}, image_mean=[0.5] * 3,
                       image_std=[0.5] * 3, do_convert_rgb=True).save_pretrained(tmp)
     info = {"settings": settings, "shapes": SHAPES, "val_accuracy": acc, "seconds": round(time.time() - t0, 1)}
-    return publish_dir(tmp, out, info, SETTINGS_FILE)
+    publish_dir(tmp, out, files={SETTINGS_FILE: json.dumps(info, indent=1)})
+    return info
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=Path("data/backbones/tiny_vit_procedural"))
-    ap.add_argument("--hidden", type=int, default=96)
-    ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--n-train", type=int, default=20000)
-    ap.add_argument("--epochs", type=int, default=8)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--force", action="store_true")
-    args = ap.parse_args(argv)
-    info = pretrain(args.out, hidden=args.hidden, layers=args.layers, n_train=args.n_train, epochs=args.epochs,
-                    seed=args.seed, force=args.force)
-    print(f"tiny ViT at {args.out}: procedural val accuracy {info['val_accuracy']:.3f} "
-          f"({info['seconds']} s to train)", file=sys.stderr)
-    return 0
+    return builder_main(__doc__, pretrain, lambda a, info: f"tiny ViT at {a.out}: procedural val accuracy "
+                        f"{info['val_accuracy']:.3f} ({info['seconds']} s to train)", argv,
+                        out="data/backbones/tiny_vit_procedural", options=("hidden", "layers", "n_train", "epochs", "seed"))
 
 
 if __name__ == "__main__":

@@ -11,15 +11,14 @@ build with the same settings is kept; an interrupted one is rebuilt (it is writt
 
 from __future__ import annotations
 
-import argparse
 import json
-import shutil
-import sys
 from pathlib import Path
 
+from data_prep.common import builder_main
+from mcit.checkpoint import publish_dir, staging_dir
 from mcit.data import tiny_mcit as B
 from mcit.data.instructions import write_instruction_split
-from mcit.data.shards import atomic_write_text, open_split
+from mcit.data.shards import open_split
 
 
 def build(out: Path, *, seed: int = 0, n_train: int = 384, n_test: int = 96, n_base: int = 6000,
@@ -37,8 +36,7 @@ def build(out: Path, *, seed: int = 0, n_train: int = 384, n_test: int = 96, n_b
                 return meta
             except ValueError:
                 pass  # damaged: rebuild
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = staging_dir(out)
     write_instruction_split(tmp / "base" / "train", B.base_mix(n_base, seed, train=True), shard_size=shard_size * 4,
                             scorer="exact_match", extra={"task": "base"})
     write_instruction_split(tmp / "base" / "test", B.base_mix(n_base_test, seed, train=False), shard_size=shard_size,
@@ -50,27 +48,13 @@ def build(out: Path, *, seed: int = 0, n_train: int = 384, n_test: int = 96, n_b
                                     extra={"task": task, "question": B.QUESTIONS[task]})
     meta = {"benchmark": "tiny_mcit", "settings": settings, "tasks": B.CONTINUAL_TASKS,
             "questions": B.QUESTIONS, "base": "base"}
-    atomic_write_text(tmp / "benchmark.json", json.dumps(meta, indent=1))
-    if out.exists():
-        shutil.rmtree(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp.rename(out)
+    publish_dir(tmp, out, files={"benchmark.json": json.dumps(meta, indent=1)})
     return meta
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=Path("data/shards/tiny_mcit"))
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--n-train", type=int, default=384)
-    ap.add_argument("--n-test", type=int, default=96)
-    ap.add_argument("--n-base", type=int, default=6000)
-    ap.add_argument("--force", action="store_true")
-    args = ap.parse_args(argv)
-    meta = build(args.out, seed=args.seed, n_train=args.n_train, n_test=args.n_test, n_base=args.n_base,
-                 force=args.force)
-    print(f"tiny_mcit benchmark at {args.out}: tasks {meta['tasks']} (+ base mix)", file=sys.stderr)
-    return 0
+    return builder_main(__doc__, build, lambda a, meta: f"tiny_mcit benchmark at {a.out}: tasks {meta['tasks']} (+ base mix)",
+                        argv, out="data/shards/tiny_mcit", options=("seed", "n_train", "n_test", "n_base"))
 
 
 if __name__ == "__main__":

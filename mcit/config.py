@@ -24,14 +24,12 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-CLASSIFICATION_KINDS = ("vit", "clip")  # image classifiers (CIL); the other kinds generate text (MCIT)
-
-
 class BackboneConfig(_Strict):
     """The frozen pre-trained model. ``path`` is a local directory in HF format (``config.json``), or a
     hub id (``org/name``) where the machine has network."""
 
-    kind: Literal["vit", "clip", "llava", "instructblip", "qwen2_vl"] = "vit"
+    kind: str = Field("vit", description="a registered backbone kind (mcit.models: vit, clip, llava, instructblip, "
+                                         "qwen2_vl, or one a module registers before the run)")
     path: str
     tag: str = Field("local", description="a backbone zoo tag (mcit.models.zoo: `path` may then be the original "
                                           "checkpoint file, converted once and checked), or a free-form name for "
@@ -41,6 +39,24 @@ class BackboneConfig(_Strict):
     quantization: Literal["none", "4bit", "8bit"] = Field(
         "none", description="load the frozen backbone in 4-bit (nf4) or 8-bit through bitsandbytes")
     max_length: int = Field(2048, ge=8, description="longest tokenised sample allowed (llava)")
+
+    @field_validator("kind")
+    @classmethod
+    def _registered(cls, v: str) -> str:
+        from mcit.registry import BACKBONES
+
+        try:
+            BACKBONES.get(v)
+        except KeyError as e:
+            raise ValueError(str(e.args[0])) from None
+        return v
+
+    @property
+    def task_type(self) -> str:
+        """``classification`` (image classifiers: CIL) or ``generation`` (multimodal LLMs: MCIT)."""
+        from mcit.registry import BACKBONES
+
+        return BACKBONES.get(self.kind).task_type
 
 
 class TaskSpec(_Strict):

@@ -4,15 +4,14 @@ The frozen backbone never enters DeepSpeed (it is not a submodule of the method)
 checkpoints and all-reduces only prompts, keys and heads. Step checkpoints every
 ``train.checkpoint_every`` optimizer steps make a killed task resume at its last step: the data order
 is a pure function of (seed, task, epoch, rank), so the resumed epoch skips exactly what was consumed.
+The engine calls no method hook: ``mcit.lifecycle`` does, around ``TaskTrainer.train``.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
-import signal
 import sys
 import time
 from pathlib import Path
@@ -22,9 +21,10 @@ import torch
 
 from mcit import distributed as dist
 from mcit import preemption
+from mcit.checkpoint import atomic_write_text
 from mcit.config import RunConfig
 from mcit.data.loader import global_valid, micro_steps_per_epoch, rank_counts, train_batches
-from mcit.data.shards import Split, atomic_write_text
+from mcit.data.shards import Split
 from mcit.methods.base import Method
 
 COMMITTED = "committed.json"
@@ -105,19 +105,19 @@ class JsonlLogger:
             self.tb.close()
 
 
-def _fault_point() -> tuple[int, int, int | None, int] | None:
-    """Test hook: ``MCIT_FAULT_AT=task:step[:rank[:SIGNAL]]`` sends SIGNAL (default SIGKILL) to every rank
-    (or only to ``rank``; ``*`` = every rank) right after that optimizer step."""
-    v = os.environ.get("MCIT_FAULT_AT")
-    if not v:
-        return None
-    parts = v.split(":")
-    who = int(parts[2]) if len(parts) > 2 and parts[2] != "*" else None
-    sig = signal.Signals[f"SIG{parts[3]}"] if len(parts) > 3 else signal.SIGKILL
-    return int(parts[0]), int(parts[1]), who, sig
+StepCallback = Callable[[int, int], None]
+_step_callbacks: list[StepCallback] = []
 
 
-def _master(p: torch.nn.Parameter) -> torch.Tensor:
+def on_optimizer_step(fn: StepCallback) -> StepCallback:
+    """Register ``fn(task, global_step)``, called on every rank after each optimizer step (after the step
+    checkpoint, before the preemption check). Nothing registers one in a normal run; tests use it to
+    kill or signal ranks at an exact step (tests/launch/workers/faulty_run.py)."""
+    _step_callbacks.append(fn)
+    return fn
+
+
+def full_fp32(p: torch.nn.Parameter) -> torch.Tensor:
     """The full fp32 value of a trainable parameter: ZeRO's master copy, or the parameter itself."""
     from deepspeed.utils import safe_get_full_fp32_param
 
@@ -126,7 +126,7 @@ def _master(p: torch.nn.Parameter) -> torch.Tensor:
 
 
 def _snapshot_masters(method: Method) -> dict[str, torch.Tensor]:
-    return {n: _master(p).clone() for n, p in method.named_parameters() if p.requires_grad}
+    return {n: full_fp32(p).clone() for n, p in method.named_parameters() if p.requires_grad}
 
 
 def _project_updates(method: Method, old: dict[str, torch.Tensor]) -> None:
@@ -239,12 +239,12 @@ def train_step(engine: Any, batch: Any, scale: float) -> tuple[Any, bool]:
 
 
 class TaskTrainer:
-    """Trains one task; used by the pipeline's train stage and by bench/."""
+    """Trains one task: the pipeline's train stage (the method's hooks are called around it by mcit.lifecycle)."""
 
-    def __init__(self, cfg: RunConfig, logger: JsonlLogger | None = None, run_dir: Path | None = None) -> None:
+    def __init__(self, cfg: RunConfig, logger: JsonlLogger | None = None, preempt_request: Path | None = None) -> None:
         self.cfg = cfg
         self.logger = logger or JsonlLogger(None)
-        self.run_dir = run_dir  # where a PREEMPT request file may appear (mcit.preemption)
+        self.preempt_request = preempt_request  # a file whose appearance asks to stop (mcit.preemption)
 
     def train(
         self,
@@ -259,7 +259,6 @@ class TaskTrainer:
         device = dist.device()
         method.to(device)
         method.backbone.to(device)
-        method.before_task(task)
         policy, B, gas = cfg.data.split, t.batch_size, t.grad_accum
         steps_epoch = micro_steps_per_epoch(split, world, B, gas, policy)
         counts = rank_counts(split, world, policy)
@@ -277,7 +276,6 @@ class TaskTrainer:
                     f"resume it with the same number (running {world})")
             engine.load_checkpoint(str(step_dir), tag=info["tag"], load_module_strict=True)
             epoch0, micro0, gstep = info["epoch"], info["next_micro_step"], info["global_step"]
-        fault = _fault_point()
         bar = None
         if dist.is_main() and t.progress:
             from tqdm.auto import tqdm
@@ -322,11 +320,9 @@ class TaskTrainer:
                 saved = gstep % t.checkpoint_every == 0 and gstep < total_opt_steps
                 if saved:
                     self._save_step(engine, step_dir, gstep, nxt_epoch, nxt, world)
-                if fault is not None and fault[:2] == (task, gstep) and fault[2] in (None, rank):
-                    if fault[2] is None:
-                        dist.barrier()
-                    os.kill(os.getpid(), fault[3])
-                if preemption.agreed(self.run_dir):
+                for callback in _step_callbacks:
+                    callback(task, gstep)
+                if preemption.agreed(self.preempt_request):
                     if not saved:
                         self._save_step(engine, step_dir, gstep, nxt_epoch, nxt, world)
                     if bar is not None:
@@ -352,9 +348,3 @@ class TaskTrainer:
             if prev and prev != tag:
                 shutil.rmtree(step_dir / prev, ignore_errors=True)
         dist.barrier()
-
-
-def steps_per_task(split: Split, cfg: RunConfig, world: int) -> int:
-    """Optimizer steps one task takes (for progress and schedules)."""
-    steps = micro_steps_per_epoch(split, world, cfg.train.batch_size, cfg.train.grad_accum, cfg.data.split)
-    return math.ceil(cfg.train.epochs * steps / cfg.train.grad_accum)

@@ -1,14 +1,16 @@
 """Evaluation of every task, sharded across ranks: classification accuracy or scored generations.
 
-No collectives run inside the loop (ranks may hold different numbers of test samples); one
-all_reduce of (correct, total) per task at the end. Predictions are per sample, so the result does
-not depend on ``eval.batch_size``.
+``evaluate_row`` (one accuracy-matrix row) and ``first_task_loss`` serve both the pipeline's eval
+stage and ``pipelines/evaluate.py``. No collectives run inside the loops (ranks may hold different
+numbers of test samples); one all_reduce of (correct, total) per task at the end. Predictions are per
+sample, so the result does not depend on ``eval.batch_size``.
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -16,6 +18,47 @@ from mcit import distributed as dist
 from mcit.data.loader import eval_batches
 from mcit.data.shards import Split
 from mcit.methods.base import Method
+
+if TYPE_CHECKING:
+    from mcit.lifecycle import MethodHost
+
+
+def evaluate_row(host: "MethodHost", *, trained: int, answers_dir: Path, tasks: list[int] | None = None,
+                 desc: str = "eval") -> dict[str, Any]:
+    """The method's accuracy on ``tasks`` (default every task) after ``trained`` tasks (0 = zero-shot:
+    every class allowed); instruction tasks write their answers under ``answers_dir``."""
+    plan, cfg, method = host.plan, host.cfg, host.method
+    tasks = list(range(len(plan.test))) if tasks is None else tasks
+    tests = [plan.test[i] for i in tasks]
+    collates = [host.collate(i, train=False) for i in tasks]
+    if plan.scorers is not None:
+        scorers = [plan.scorers[i] for i in tasks]
+        res = evaluate_generation(method, tests, batch_size=cfg.eval.batch_size, policy=cfg.data.split,
+                                  collates=collates, scorers=scorers, max_new_tokens=cfg.eval.max_new_tokens,
+                                  answers_dir=answers_dir, progress=cfg.train.progress, desc=desc, file_ids=tasks)
+        return {"score_sum": [c for c, _ in res], "total": [n for _, n in res],
+                "acc": [100.0 * c / max(n, 1) for c, n in res], "scorers": scorers}
+    allowed = None
+    if cfg.eval.mask_unseen_classes and trained > 0:
+        allowed = torch.zeros(plan.sequence.num_classes, dtype=torch.bool)
+        for task in plan.sequence.tasks[:trained]:
+            allowed[list(task.classes)] = True
+    res = evaluate_tasks(method, tests, batch_size=cfg.eval.batch_size, policy=cfg.data.split, collates=collates,
+                         allowed_classes=allowed, progress=cfg.train.progress, desc=desc)
+    return {"correct": [c for c, _ in res], "total": [n for _, n in res],
+            "acc": [100.0 * c / max(n, 1) for c, n in res]}
+
+
+def first_task_loss(host: "MethodHost") -> float | None:
+    """The method's training loss on the first task's test split under its current state (the
+    training-interference curve: how much each later task moves the first task's loss); None when
+    ``eval.first_task_loss`` is off."""
+    cfg = host.cfg
+    if not cfg.eval.first_task_loss:
+        return None
+    split = host.plan.test[0]
+    return evaluate_loss(host.method, split, task=0, batch_size=cfg.eval.batch_size, policy=cfg.data.split,
+                         collate=host.collate(0, train=True, split=split))
 
 
 @torch.no_grad()

@@ -4,7 +4,7 @@ Two ways to ask, because a cluster delivers the warning in two ways:
 
 * a signal (SIGUSR1 or SIGTERM) to any rank process: Slurm's ``--signal=USR1@T`` on the job steps,
   or the time limit's SIGTERM;
-* the file ``<run_dir>/PREEMPT``: the job scripts' trap writes it when the *batch shell* gets the
+* the file ``<run_dir>/PREEMPT`` (``RunDir.preempt_request``): the job scripts' trap writes it when the *batch shell* gets the
   signal (``--signal=B:USR1@T``, ``scancel --signal=USR1 --batch``). Launchers such as DeepSpeed's
   kill their children on SIGTERM instead of passing it on, and on several nodes only the batch
   node's shell is signalled, so a file on the shared run directory reaches every rank the same way.
@@ -21,7 +21,6 @@ import signal
 from pathlib import Path
 
 RESUME_EXIT_CODE = 75
-FILE = "PREEMPT"
 
 _requested: str | None = None
 
@@ -41,23 +40,24 @@ def install() -> None:
         signal.signal(s, _handler)
 
 
-def clear(run_dir: Path) -> None:
+def clear(request_file: Path) -> None:
     """Forget a request that a previous (now resumed) job left behind."""
     global _requested
     _requested = None
-    (run_dir / FILE).unlink(missing_ok=True)
+    request_file.unlink(missing_ok=True)
 
 
-def local_request(run_dir: Path | None) -> str | None:
+def local_request(request_file: Path | None) -> str | None:
+    """This rank's request: the signal's name, or the request file's, or None."""
     if _requested:
         return _requested
-    if run_dir is not None and (run_dir / FILE).exists():
-        return FILE
+    if request_file is not None and request_file.exists():
+        return request_file.name
     return None
 
 
-def agreed(run_dir: Path | None) -> bool:
+def agreed(request_file: Path | None) -> bool:
     """True on every rank iff some rank has a request (one small all-reduce)."""
     from mcit import distributed as dist
 
-    return not dist.all_ok(local_request(run_dir) is None)
+    return not dist.all_ok(local_request(request_file) is None)

@@ -1,8 +1,10 @@
 """Small name -> factory registries.
 
 Built-in entries live in modules that are imported lazily (on first lookup) so that importing
-``mcit`` stays free of side effects while a new method still needs only one new file: every module of a registry's package (e.g.
-``mcit/methods/*.py``) is imported on first lookup, as is any module the user imports before the run.
+``mcit`` stays free of side effects while a new method or backbone still needs only one new file:
+every module of a registry's package (``mcit/methods/*.py``, ``mcit/models/*.py``) is imported on
+first lookup, and anything registered by a module the user (or a test) imports before the run counts
+the same.
 """
 
 from __future__ import annotations
@@ -55,4 +57,4 @@ class Registry(Generic[T]):
 
 
 METHODS: Registry = Registry("method", package="mcit.methods")
-BACKBONES: Registry = Registry("backbone", ("mcit.models.vit", "mcit.models.clip", "mcit.models.mllm"))
+BACKBONES: Registry = Registry("backbone", package="mcit.models")

@@ -39,8 +39,9 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from mcit.checkpoint import atomic_write_text
-from mcit.config import CLASSIFICATION_KINDS, ConfigError, RunConfig, dump_config, load_config, parse_override, \
+from mcit.config import ConfigError, RunConfig, dump_config, load_config, parse_override, \
     validate_config
+from mcit.rundir import RunDir
 
 ROOT = Path(__file__).resolve().parent.parent
 METRICS = ["final_avg_acc", "final_avg_acc_task_mean", "avg_incremental_acc", "avg_incremental_acc_sample_weighted",
@@ -232,8 +233,8 @@ def expand(spec: SweepSpec, *, base: Path | None = None, materialize: bool = Tru
         cfg0 = load_config(cfg_path, spec.overrides)
         unit = spec.order_unit
         if unit == "auto":
-            unit = "class" if cfg0.backbone.kind in CLASSIFICATION_KINDS else "task"
-        if unit == "class" and cfg0.backbone.kind not in CLASSIFICATION_KINDS:
+            unit = "class" if cfg0.backbone.task_type == "classification" else "task"
+        if unit == "class" and cfg0.backbone.task_type != "classification":
             raise ConfigError(f"sweep order_unit class: config {cfg_path} is not class-incremental "
                               f"(backbone.kind {cfg0.backbone.kind}); use order_unit task")
         for setting in _settings(spec):
@@ -338,18 +339,14 @@ def regroup(specs: list, sizes: list[int], class_order: list[int], dest: Path) -
 # Writing the points, status
 
 def finished(point: Point) -> bool:
-    from mcit.pipeline import finished_metrics
-
-    return finished_metrics(point.run_dir) is not None
+    return RunDir(point.run_dir).finished_metrics() is not None
 
 
 def write_points(spec: SweepSpec, points: list[Point]) -> None:
     """Each point's config file (checked against an existing run first) and ``<out>/sweep.json``."""
-    from mcit.pipeline import check_run_dir
-
     out = spec.out_dir()
     for p in points:
-        check_run_dir(p.cfg, p.run_dir)  # RunDirError: the run there has another config
+        RunDir(p.run_dir).check_belongs_to(p.cfg)  # RunDirError: the run there has another config
         text = dump_config(p.cfg)
         if not p.config_path.is_file() or p.config_path.read_text() != text:
             atomic_write_text(p.config_path, text)
@@ -384,22 +381,16 @@ def last_attempts(out: Path) -> dict[str, dict]:
 # --------------------------------------------------------------------------------------------------
 # Launching
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def local_command(point: Point, launcher: str, nproc: int) -> list[str]:
+    from mcit.distributed import free_port
+
     entry = str(ROOT / "pipelines" / "run_task_sequence.py")
     if launcher == "deepspeed":
         return [sys.executable, "-u", "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc),
-                "--master_port", str(_free_port()), entry, "--config", str(point.config_path)]
+                "--master_port", str(free_port()), entry, "--config", str(point.config_path)]
     if launcher == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-                "--master_port", str(_free_port()), entry, "--config", str(point.config_path)]
+                "--master_port", str(free_port()), entry, "--config", str(point.config_path)]
     if launcher == "python":
         return [sys.executable, "-u", entry, "--config", str(point.config_path)]
     raise ValueError(f"unknown launcher {launcher!r}")
@@ -506,9 +497,8 @@ def aggregate(spec: SweepSpec, points: list[Point]) -> dict[str, Any]:
             "config": p.config, "method": p.cfg.method.name, "backbone": p.cfg.backbone.tag,
             "setting": p.setting, "setting_label": p.setting_label, "points": [], "runs": []})
         g["points"].append(p.name)
-        mpath = p.run_dir / "metrics.json"
-        if finished(p):
-            m = json.loads(mpath.read_text())
+        m = RunDir(p.run_dir).finished_metrics()
+        if m is not None:
             g["runs"].append(m)
             per_point.append({"point": p.name, "config": p.config, "setting": p.setting_label, "seed": p.seed,
                               "order": p.order, "status": "finished", **{k: m.get(k) for k in METRICS}})

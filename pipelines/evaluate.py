@@ -22,12 +22,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without install
-
-
-def exported_tasks(run_dir: Path) -> list[int]:
-    return sorted(int(p.parent.name.split("_", 1)[1]) for p in run_dir.glob("checkpoints/task_*/method.safetensors"))
+from typing import Any
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,23 +46,24 @@ def main(argv: list[str] | None = None) -> int:
 
     from mcit.config import ConfigError, load_config
     from mcit.data.shards import DataError
-    from mcit.models.vit import BackboneError
-    from mcit.pipeline import preflight
+    from mcit.models.base import BackboneError
+    from mcit.preflight import preflight
+    from mcit.rundir import RunDir
 
     def fail(msg: str) -> int:
         if rank0:
             print(f"error: {msg}", file=sys.stderr)
         return 2
 
-    run_dir = args.run.resolve()
-    if not (run_dir / "config.yaml").is_file():
-        return fail(f"{run_dir} is not a run directory (no config.yaml)")
+    run = RunDir(args.run.resolve())
+    if not run.config.is_file():
+        return fail(f"{run.root} is not a run directory (no config.yaml)")
     overrides = [f"eval.batch_size={args.batch_size}"] if args.batch_size else []
     try:
-        plan = preflight(load_config(run_dir / "config.yaml", overrides), run_dir=run_dir)
+        plan = preflight(load_config(run.config, overrides), run_dir=run.root)
     except (ConfigError, DataError, BackboneError) as e:
         return fail(str(e))
-    available = exported_tasks(run_dir)
+    available = run.exported_tasks()
     if args.task_checkpoint is None:
         ks = [] if args.zero_shot else available[-1:]
     elif args.task_checkpoint == ["all"]:
@@ -79,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
             return fail(f"--task-checkpoint: expected task indices or 'all', got {args.task_checkpoint}")
     missing = [k for k in ks if k not in available]
     if missing or (not ks and not args.zero_shot):
-        return fail(f"{run_dir}: no exported checkpoint after task {missing[0] if missing else '(any)'} "
+        return fail(f"{run.root}: no exported checkpoint after task {missing[0] if missing else '(any)'} "
                     f"(exported: {available or 'none'})")
     names = plan.names
     if args.tasks is None:
@@ -98,51 +94,51 @@ def main(argv: list[str] | None = None) -> int:
     return evaluate(plan, ks, tasks, zero_shot=args.zero_shot, write_rows=args.write_rows)
 
 
-def evaluate(plan, ks: list[int], tasks: list[int], *, zero_shot: bool, write_rows: bool) -> int:
+def evaluate(plan: Any, ks: list[int], tasks: list[int], *, zero_shot: bool, write_rows: bool) -> int:
+    """Rows for the checkpoints after tasks ``ks`` (and the zero-shot row) on ``tasks``; see the module doc."""
     from mcit import distributed as dist
     from mcit import metrics as M
     from mcit.checkpoint import load_state, write_json
-    from mcit.pipeline import Pipeline
+    from mcit.evaluation import evaluate_row, first_task_loss
+    from mcit.lifecycle import MethodHost
+    from mcit.pipeline import write_metrics
 
     dist.init()
-    pipe = Pipeline(plan)
-    pipe.build_model()
-    out_dir = plan.run_dir / "eval" / "evaluate"
-    rows: list[tuple[str, list[float]]] = []
-    jobs = ([("zero_shot", None)] if zero_shot else []) + [(f"after_task_{k}", k) for k in ks]
-    for tag, k in jobs:
+    run = plan.run
+    host = MethodHost(plan)
+    host.build()
+    results: list[tuple[str, list[float]]] = []
+    for k in ([None] if zero_shot else []) + ks:
         if k is None:
-            with pipe.method.zero_shot():
-                row = pipe._eval_row("zero-shot eval", 0, tag, tasks, out_dir / "answers")
+            with host.zero_shot():
+                row = evaluate_row(host, trained=0, tasks=tasks, answers_dir=run.answers(None, evaluate_only=True),
+                                   desc="zero-shot eval")
         else:
-            pipe._reload(load_state(plan.run_dir / "checkpoints" / f"task_{k}" / "method.safetensors"))
-            pipe.method.set_task(k)
-            row = pipe._eval_row(f"after task {k}", k + 1, tag, tasks, out_dir / "answers")
-            row["first_task_loss"] = pipe._first_task_loss()
-        row.update({"tasks": [plan.names[i] for i in tasks], "checkpoint": None if k is None else k,
-                    "world_size": dist.world_size()})
+            host.load(load_state(run.task_state(k)))
+            host.enter_eval(k)
+            row = evaluate_row(host, trained=k + 1, tasks=tasks, answers_dir=run.answers(k, evaluate_only=True),
+                               desc=f"after task {k}")
+            row["first_task_loss"] = first_task_loss(host)
         if dist.is_main():
-            write_json(out_dir / f"{tag}.json", row)
+            write_json(run.row(k, evaluate_only=True), {**row, "tasks": [plan.names[i] for i in tasks],
+                                                         "checkpoint": k, "world_size": dist.world_size()})
             if write_rows:
-                write_json(plan.run_dir / "eval" / f"{tag}.json", {key: v for key, v in row.items()
-                                                                  if key not in ("tasks", "checkpoint", "world_size")})
-        rows.append((tag, row["acc"]))
+                write_json(run.row(k), row)
+        results.append(("zero_shot" if k is None else f"after_task_{k}", row["acc"]))
     if dist.is_main():
-        print(f"== {plan.cfg.name} · {plan.run_dir} · evaluated on {dist.world_size()} process(es) ==")
+        print(f"== {plan.cfg.name} · {run.root} · evaluated on {dist.world_size()} process(es) ==")
         width = max(len(plan.names[i]) for i in tasks)
         print(" " * 14 + " ".join(f"{plan.names[i]:>{max(width, 7)}}" for i in tasks))
-        for tag, acc in rows:
+        for tag, acc in results:
             print(f"{tag:<14}" + " ".join(f"{a:>{max(width, 7)}.2f}" for a in acc))
         if write_rows:
-            done = 0
-            while (plan.run_dir / "eval" / f"after_task_{done}.json").is_file() and done < len(plan.names):
-                done += 1
+            done = run.rows_done(len(plan.names))
             if done:
-                m = pipe.write_metrics(done)
-                print(M.format_summary(m))
+                print(M.format_summary(write_metrics(plan, done)))
     dist.shutdown()
     return 0
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without install
     raise SystemExit(main())

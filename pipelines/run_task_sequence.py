@@ -12,8 +12,6 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without install
-
 
 def _is_rank0() -> bool:
     return os.environ.get("RANK", "0") == "0"
@@ -32,21 +30,21 @@ def main(argv: list[str] | None = None) -> int:
 
     from mcit.config import ConfigError, load_config
     from mcit.data.shards import DataError
-    from mcit.models.vit import BackboneError
-    from mcit.pipeline import Pipeline, RunDirError, finished_metrics, preflight, summary_text
+    from mcit.models.base import BackboneError
+    from mcit.pipeline import Pipeline, summary_text
+    from mcit.preflight import preflight
+    from mcit.rundir import RunDir, RunDirError
 
     overrides = list(args.overrides) + ([f"run_dir={args.run_dir}"] if args.run_dir else [])
     try:
         cfg = load_config(args.config, overrides)
-        run_dir = cfg.resolved_run_dir()
-        done = finished_metrics(run_dir)
+        run = RunDir(cfg.resolved_run_dir())
+        done = run.finished_metrics()
         if done is not None:
-            from mcit.pipeline import check_run_dir
-
-            check_run_dir(cfg, run_dir)
+            run.check_belongs_to(cfg)
             if _is_rank0():
-                print(summary_text(done, run_dir))
-                print(f"(run already finished; nothing to do. Delete {run_dir} or set run_dir= to run again)")
+                print(summary_text(done, run.root))
+                print(f"(run already finished; nothing to do. Delete {run.root} or set run_dir= to run again)")
             return 0
         plan = preflight(cfg)
     except (ConfigError, DataError, BackboneError, RunDirError) as e:
@@ -55,7 +53,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     from mcit import distributed as dist
-
     from mcit import preemption
     from mcit.pipeline import CollectiveError
 
@@ -79,4 +76,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without install
     raise SystemExit(main())

@@ -20,8 +20,6 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without install
-
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -47,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     from mcit import sweep as S
     from mcit.config import ConfigError
     from mcit.data.shards import DataError
-    from mcit.pipeline import RunDirError
+    from mcit.rundir import RunDirError
 
     try:
         cli = {"configs": args.configs, "seeds": args.seeds, "order_unit": args.order_unit, "name": args.name,
@@ -82,4 +80,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without install
     raise SystemExit(main())

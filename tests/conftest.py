@@ -1,9 +1,17 @@
-"""Shared fixtures: the embedded digits shards and a tiny procedurally pre-trained ViT, built once."""
+"""Shared fixtures and helpers of the whole suite.
+
+Layout: ``tests/unit/`` runs in this process (marker ``unit``: ``pytest -m unit`` is the quick loop);
+``tests/launch/`` starts processes -- the pipeline under the DeepSpeed launcher, torchrun, srun, a
+localhost Slurm cluster (marker ``launch``). Every test gets its marker from its folder.
+
+Fixtures built once per session: the embedded digits shards and a tiny procedurally pre-trained ViT
+(``assets``), a tiny CLIP (``clip_backbone``), a small MCIT benchmark and tiny LLaVA (``mcit_assets``);
+per module: a random 32-wide ViT backbone (``backbone``) and a 3-task class sequence (``sequence``).
+"""
 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,9 +19,55 @@ from pathlib import Path
 import pytest
 import yaml
 
+from mcit.distributed import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 ENTRY = ROOT / "pipelines" / "run_task_sequence.py"
 EVALUATE = ROOT / "pipelines" / "evaluate.py"
+FAULTY = ROOT / "tests" / "launch" / "workers" / "faulty_run.py"  # ENTRY with a fault at a given step
+MARKERS = ("unit", "launch")  # declared in pyproject.toml; each test gets the one its folder is named after
+
+
+@pytest.fixture(scope="module")
+def backbone():
+    """A random ViTBackbone (32 wide, 2 blocks, 2 heads, 16 px images, patch 4): in-process method tests."""
+    import torch
+    from transformers import ViTConfig, ViTModel
+
+    from mcit.models.vit import ViTBackbone
+
+    torch.manual_seed(0)
+    cfg = ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                    image_size=16, patch_size=4)
+    return ViTBackbone(ViTModel(cfg, add_pooling_layer=False), [0.5] * 3, [0.5] * 3)
+
+
+@pytest.fixture(scope="module")
+def sequence():
+    """Three tasks of two classes each, labels not contiguous (they map to indices 0..5)."""
+    from mcit.data.types import TaskSequence
+
+    return TaskSequence.from_label_spaces(["t0", "t1", "t2"], [[3, 7], [1, 2], [0, 9]])
+
+
+def built_once(tmp_path_factory, name: str, build) -> Path:
+    """``build(directory)`` once per test session, however many xdist workers ask (the first one builds
+    under a file lock, the others wait and reuse the finished directory)."""
+    import fcntl
+    import shutil
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # shared by the workers of this session
+    out = root / f"shared_{name}"
+    with open(root / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / ".complete").is_file():
+            shutil.rmtree(out, ignore_errors=True)
+            out.mkdir(parents=True)
+            build(out)
+            (out / ".complete").touch()
+    return out
 
 
 @pytest.fixture(scope="session")
@@ -21,9 +75,11 @@ def assets(tmp_path_factory) -> dict[str, Path]:
     from data_prep.digits import build
     from data_prep.pretrain_vit import pretrain
 
-    base = tmp_path_factory.mktemp("assets")
-    build(base / "digits", seed=0, classes_per_task=2, shard_size=40)
-    pretrain(base / "vit", hidden=48, layers=2, heads=4, n_train=6000, epochs=6, batch_size=64, lr=3e-3)
+    def make(base: Path) -> None:
+        build(base / "digits", seed=0, classes_per_task=2, shard_size=40)
+        pretrain(base / "vit", hidden=48, layers=2, heads=4, n_train=6000, epochs=6, batch_size=64, lr=3e-3)
+
+    base = built_once(tmp_path_factory, "assets", make)
     return {"shards": base / "digits", "backbone": base / "vit"}
 
 
@@ -32,10 +88,11 @@ def clip_backbone(tmp_path_factory) -> Path:
     """A tiny CLIP pre-trained for a few seconds on the procedural image-caption pairs."""
     from data_prep.pretrain_clip import pretrain
 
-    out = tmp_path_factory.mktemp("clip_assets") / "clip"
-    pretrain(out, vision_hidden=32, vision_layers=2, text_hidden=32, text_layers=1, projection_dim=16,
-             n_train=1024, epochs=1, batch_size=64, lr=3e-3)
-    return out
+    def make(base: Path) -> None:
+        pretrain(base / "clip", vision_hidden=32, vision_layers=2, text_hidden=32, text_layers=1, projection_dim=16,
+                 n_train=1024, epochs=1, batch_size=64, lr=3e-3)
+
+    return built_once(tmp_path_factory, "clip_assets", make) / "clip"
 
 
 def tiny_config(assets: dict[str, Path], tmp: Path, name: str = "tiny", **sections) -> Path:
@@ -66,17 +123,11 @@ def _write_config(cfg: dict, tmp: Path, name: str, sections: dict) -> Path:
     return path
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
     env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
-    for var in ("MCIT_FAULT_AT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+    for var in ("MCIT_TEST_FAULT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)  # an in-process test may have initialised a process group
     env.update(extra)
     return env
@@ -105,10 +156,12 @@ def mcit_assets(tmp_path_factory) -> dict[str, Path]:
     from data_prep.pretrain_tiny_llava import pretrain
     from data_prep.tiny_mcit import build
 
-    base = tmp_path_factory.mktemp("mcit_assets")
-    build(base / "tiny_mcit", seed=0, n_train=48, n_test=24, n_base=1200, n_base_test=48, shard_size=16)
-    pretrain(base / "tiny_mcit", base / "tiny_llava", epochs=2, batch_size=32, lr=3e-3, text_hidden=64,
-             text_layers=2, vision_hidden=32, vision_layers=1, progress=False)
+    def make(base: Path) -> None:
+        build(base / "tiny_mcit", seed=0, n_train=48, n_test=24, n_base=1200, n_base_test=48, shard_size=16)
+        pretrain(base / "tiny_mcit", base / "tiny_llava", epochs=2, batch_size=32, lr=3e-3, text_hidden=64,
+                 text_layers=2, vision_hidden=32, vision_layers=1, progress=False)
+
+    base = built_once(tmp_path_factory, "mcit_assets", make)
     return {"shards": base / "tiny_mcit", "backbone": base / "tiny_llava"}
 
 
@@ -175,9 +228,14 @@ def check_aggregate_against_runs(sweep_dir: Path, expected_points: int, ddof: in
 # With ``--dist loadfile`` each worker takes whole files in collection order; the longest files (a Slurm
 # cluster's jobs, sweeps of launched runs, killed-and-resumed runs) go first so that none of them starts
 # last and leaves one worker running alone at the end.
-SLOW_FILES_FIRST = ("test_slurm.py", "test_sweep.py", "test_pipeline_e2e.py", "test_mcit.py")
+SLOW_FILES_FIRST = ("test_slurm.py", "test_sweep_launch.py", "test_pipeline_e2e.py", "test_mcit_pipeline.py",
+                    "test_cil_pipeline.py")
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:
+    for item in items:
+        folder = item.path.parent.name
+        if folder in MARKERS:
+            item.add_marker(folder)
     rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order

@@ -16,7 +16,7 @@ from __future__ import annotations
 import io
 import json
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 from mcit.data.shards import DataError, write_split
 
@@ -70,9 +70,3 @@ def decode_instruction(sample: dict) -> tuple[Any, dict[str, Any], str]:
     if "box" in rec:
         out["box"] = rec["box"]
     return image, out, key
-
-
-def all_texts(samples: Iterable[dict[str, Any]]) -> Iterator[str]:
-    for s in samples:
-        for turn in s["conversations"]:
-            yield turn["value"].replace("<image>", " ")

@@ -15,7 +15,7 @@ from typing import Callable, Iterator
 import torch
 
 from mcit.data.shards import DataError, Split, assign, decode_sample, iter_samples
-from mcit.methods.base import Batch
+from mcit.data.types import Batch
 
 
 def rank_counts(split: Split, world: int, policy: str) -> list[int]:

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from mcit.checkpoint import atomic_write_text
+
 MANIFEST = "manifest.json"
 FORMAT = "mcit-shards/1"
 
@@ -45,20 +47,6 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    atomic_write_bytes(path, text.encode())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -94,9 +82,16 @@ def write_split(
             {"file": name, "num_samples": len(chunk), "bytes": (directory / name).stat().st_size,
              "sha256": sha256_file(directory / name)}
         )
+    return write_manifest(directory, shards, label_space, class_names, extra)
+
+
+def write_manifest(directory: Path, shards: list[dict[str, Any]], label_space: list[int],
+                   class_names: dict[int, str] | None = None, extra: dict[str, Any] | None = None) -> dict:
+    """Write ``directory/manifest.json`` for finished ``shards`` (file, num_samples, bytes, sha256 each),
+    last and atomically, so a split only looks complete once every shard is in place. Returns it."""
     manifest = {
         "format": FORMAT,
-        "num_samples": len(samples),
+        "num_samples": sum(int(s["num_samples"]) for s in shards),
         "label_space": sorted(int(c) for c in label_space),
         "class_names": {str(k): v for k, v in (class_names or {}).items()},
         "shards": shards,

@@ -2,117 +2,30 @@
 
 A method owns its own parameters (prompts, keys, heads, ...) as an ``nn.Module``; the frozen backbone
 is held by reference and is *not* a registered submodule, so DeepSpeed (which wraps the method) sees
-and partitions only the trainable state, and ``state_dict()`` is the method's state alone.
-
-A method never touches DeepSpeed, files or ranks. Its life cycle, driven by the pipeline::
-
-    m = Method(params, backbone, sequence)      # build: allocate everything for the whole sequence
-    m.load_state_dict(...)                      # when resuming
-    m.before_task(t); train: m(batch) -> LossTerms (wrapped by DeepSpeed); m.after_task(t)
-    subspace: m.statistics(batch) summed over ranks -> m.finalize_statistics(reduced)
-    eval: m.predict(batch) -> class indices, one independent decision per sample
-
-Everything a method needs later must live in its state_dict (parameters or buffers), because a
-resumed run rebuilds the method and loads the last committed state.
+and partitions only the trainable state, and ``state_dict()`` is the method's state alone. A method
+never touches DeepSpeed, files or ranks. Everything a method needs later must live in its state_dict
+(parameters or buffers), because a resumed run rebuilds the method and loads the last committed state.
+How to add one: docs/architecture.md, "Adding a method".
 """
 
 from __future__ import annotations
 
 from abc import abstractmethod
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import ClassVar, Iterator
+from dataclasses import dataclass
+from typing import Any, ClassVar, Iterator, Mapping
 
 import torch
 from pydantic import BaseModel, ConfigDict
 from torch import nn
+
+from mcit.data.types import Batch, TaskSequence
 
 
 class MethodParams(BaseModel):
     """Base of every method's hyper-parameters (the ``method:`` config section minus ``name``)."""
 
     model_config = ConfigDict(extra="forbid")
-
-
-@dataclass(frozen=True)
-class TaskInfo:
-    name: str
-    classes: tuple[int, ...]  # global class indices of this task
-
-
-@dataclass(frozen=True)
-class TaskSequence:
-    """The ordered tasks and the global class space (original labels -> contiguous indices)."""
-
-    tasks: tuple[TaskInfo, ...]
-    labels: tuple[int, ...]  # original label of each global class index
-    # Readable name of each global class index (from the shard manifests; the label as text where a
-    # manifest names none): the text side of CLIP-based methods.
-    class_names: tuple[str, ...] = ()
-
-    @classmethod
-    def from_label_spaces(cls, names: list[str], label_spaces: list[list[int]],
-                          class_names: dict[int, str] | None = None) -> "TaskSequence":
-        labels = sorted({int(c) for ls in label_spaces for c in ls})
-        index = {lab: i for i, lab in enumerate(labels)}
-        tasks = tuple(TaskInfo(n, tuple(index[int(c)] for c in ls)) for n, ls in zip(names, label_spaces))
-        named = class_names or {}
-        return cls(tasks, tuple(labels), tuple(str(named.get(lab, lab)) for lab in labels))
-
-    @property
-    def num_classes(self) -> int:
-        return len(self.labels)
-
-    def __len__(self) -> int:
-        return len(self.tasks)
-
-    def label_to_index(self) -> dict[int, int]:
-        return {lab: i for i, lab in enumerate(self.labels)}
-
-
-@dataclass
-class Batch:
-    """One batch. ``valid`` is 1 for real samples and 0 for padding (see mcit.data.loader).
-
-    Classification: ``pixel_values`` + ``labels`` (global class indices). Instruction tasks also fill
-    ``inputs`` (token tensors: ``input_ids``, ``attention_mask``, ...; ``labels`` is then the LM target
-    with -100 outside the answer) and ``meta`` (per-sample references for the scorers).
-    """
-
-    pixel_values: torch.Tensor
-    labels: torch.Tensor
-    valid: torch.Tensor
-    task: int  # the task being trained; never available to predict()
-    keys: list[str] = field(default_factory=list)
-    # Evaluation only: the classes a prediction may take (the classes of the tasks trained so far, the
-    # usual class-incremental protocol); the same for every sample, so it reveals no task identity.
-    allowed_classes: torch.Tensor | None = None
-    inputs: dict[str, torch.Tensor] = field(default_factory=dict)
-    meta: list[dict] = field(default_factory=list)
-
-    def to(self, device: torch.device) -> "Batch":
-        allowed = None if self.allowed_classes is None else self.allowed_classes.to(device)
-        return Batch(self.pixel_values.to(device), self.labels.to(device), self.valid.to(device), self.task,
-                     self.keys, allowed, {k: v.to(device) for k, v in self.inputs.items()}, self.meta)
-
-    def select(self, idx: torch.Tensor) -> "Batch":
-        """The rows ``idx`` (every per-sample field)."""
-        rows = idx.tolist()
-        return Batch(self.pixel_values[idx], self.labels[idx], self.valid[idx], self.task,
-                     [self.keys[i] for i in rows] if self.keys else [], self.allowed_classes,
-                     {k: v[idx] for k, v in self.inputs.items()}, [self.meta[i] for i in rows] if self.meta else [])
-
-    @staticmethod
-    def concat(batches: list["Batch"]) -> "Batch":
-        """Row-wise concatenation of batches with the same tensor shapes beyond dim 0."""
-        b0 = batches[0]
-        return Batch(torch.cat([b.pixel_values for b in batches]), torch.cat([b.labels for b in batches]),
-                     torch.cat([b.valid for b in batches]), b0.task, [k for b in batches for k in b.keys],
-                     b0.allowed_classes, {k: torch.cat([b.inputs[k] for b in batches]) for k in b0.inputs},
-                     [m for b in batches for m in b.meta])
-
-    def __len__(self) -> int:
-        return int(self.valid.shape[0])
 
 
 class LossTerms(dict):
@@ -149,14 +62,56 @@ class LossTerms(dict):
         return self["logs"]
 
 
+@dataclass(frozen=True)
+class AuxiliaryBackbone:
+    """A second frozen model a method needs besides the run's backbone (STAR-Prompt's CLIP). It is
+    resolved through the backbone zoo like ``backbone:`` (tag, sha256 recorded in backbone.json) and
+    loaded once per process; the method receives it as ``auxiliary[name]``."""
+
+    kind: str  # a registered backbone kind
+    path: str  # an HF directory, or an original checkpoint file for a zoo tag
+    tag: str = "local"
+    tokenizer: str | None = None  # CLIP from an OpenAI file: a directory with its tokenizer files
+    key: str = ""  # the config key of ``path``, for messages (e.g. method.clip_path)
+
+
 class Method(nn.Module):
-    """Base class; subclasses register with ``@METHODS.register(name)`` and set ``Params``."""
+    """Base class; subclasses register with ``@METHODS.register(name)`` and set ``Params``.
+
+    The life cycle. ``mcit.lifecycle.MethodHost`` is the only caller of these hooks (the pipeline's
+    stages and ``pipelines/evaluate.py`` both go through it), in this order::
+
+        build      torch.manual_seed(seed); m = Method(params, backbone, sequence[, auxiliary=...])
+                   m.load_state_dict(state)                      when resuming or evaluating a checkpoint
+        reference  only if reference_required(params): set_task(0); statistics(batch) over data.reference,
+                   finalize_statistics(sums, -1) on rank 0, state broadcast to every rank
+        zero-shot  with m.zero_shot(): predict(batch) / generate(batch, n)
+        for each task t, for each phase p of ``phases``:
+          train    set_task(t); set_phase(p); before_task(t)
+                   each step: m(batch) -> LossTerms; backward; optimizer step; project_update(name, delta)
+                   (only if ``projects_updates``)
+                   the trained state goes into a freshly built method: load_state_dict(state); set_task(t);
+                   set_phase(p); after_task(t)   [no trainable parameters: no steps, no rebuild]
+          subspace set_task(t); set_phase(p); only if ``has_subspace_stage``: statistics(batch) on every
+                   rank's part of task t's train split, summed over ranks, finalize_statistics(sums, t) on
+                   rank 0, state broadcast; subspace_report() is logged
+        eval       set_task(t); set_phase(phases[-1]); predict(batch) or generate(batch, n) per sample over
+                   every task's test split; task_loss(batch) over task 0's test split
+        commit     state_dict() saved (checkpoints/task_t/method.safetensors)
+
+    ``set_task`` / ``set_phase`` run at the start of every stage, so a run resumed at any stage sees
+    the same calls as one that never stopped.
+    """
 
     name: ClassVar[str] = "base"
     Params: ClassVar[type[MethodParams]] = MethodParams
     # Training phases per task, each a train stage and a subspace stage of its own, in this order
     # ("" = the one ordinary phase). STAR-Prompt has two: its CLIP stage, then its ViT stage.
     phases: ClassVar[tuple[str, ...]] = ("",)
+    # Declared, not detected: the subspace stage streams ``statistics`` only for methods that set this.
+    has_subspace_stage: ClassVar[bool] = False
+    # Declared: the engine snapshots the weights around each optimizer step only for methods that set this.
+    projects_updates: ClassVar[bool] = False
 
     def __init__(self, params: MethodParams, backbone: nn.Module, sequence: TaskSequence) -> None:
         super().__init__()
@@ -167,7 +122,25 @@ class Method(nn.Module):
         self.phase = self.phases[0]
 
     # -- build / hooks -------------------------------------------------------------------------------
+    @classmethod
+    def check_inputs(cls, params: MethodParams) -> None:
+        """Pre-flight check of files the method reads itself (before any model is loaded); raise a
+        one-line ValueError naming the key and the path."""
+
+    @classmethod
+    def auxiliary_backbones(cls, params: MethodParams) -> dict[str, AuxiliaryBackbone]:
+        """Frozen models besides the run's backbone, by name; a method that declares any is built with
+        ``auxiliary={name: loaded backbone}`` as a keyword argument."""
+        return {}
+
+    @classmethod
+    def reference_required(cls, params: MethodParams) -> bool:
+        """True when the method needs the statistics of ``data.reference`` (a sample of the backbone's
+        pre-training data) before the first task, e.g. Fwd-Prompt's pre-trained subspace."""
+        return False
+
     def trainable_parameters(self) -> list[nn.Parameter]:
+        """The parameters the train stage hands to DeepSpeed (those with requires_grad)."""
         return [p for p in self.parameters() if p.requires_grad]
 
     def param_groups(self) -> list[dict]:
@@ -175,29 +148,25 @@ class Method(nn.Module):
         optional ``lr_scale`` (times ``train.lr``), for methods whose papers train parts at other rates."""
         return [{"params": self.trainable_parameters()}]
 
-    def before_task(self, task: int) -> None:
-        self.current_task = task
-
-    def after_task(self, task: int) -> None:
-        pass
-
     def set_task(self, task: int) -> None:
-        """Called whenever a stage of ``task`` runs (also after a resume)."""
+        """The task the next stage is about; called at the start of every stage (also after a resume)."""
         self.current_task = task
 
     def set_phase(self, phase: str) -> None:
-        """Called before each train / subspace stage of a phase (see ``phases``): a multi-phase
-        method switches what is trainable and what its forward and statistics compute."""
+        """The phase (see ``phases``) of the next train / subspace stage: a multi-phase method switches
+        what is trainable and what its forward and statistics compute."""
         self.phase = phase
 
     def phase_train(self, phase: str) -> dict:
         """Overrides of the ``train:`` config section for ``phase`` (epochs, lr, optimizer, ...)."""
         return {}
 
-    @classmethod
-    def check_inputs(cls, params: MethodParams) -> None:
-        """Pre-flight check of files the method reads itself (before any model is loaded); raise a
-        one-line ValueError naming the key and the path."""
+    def before_task(self, task: int) -> None:
+        """Just before task ``task``'s training steps (hand-over of prompts, freezing, ...)."""
+        self.current_task = task
+
+    def after_task(self, task: int) -> None:
+        """After task ``task``'s training steps, on the trained state (momentum, bookkeeping, ...)."""
 
     # -- training ----------------------------------------------------------------------------------
     def forward(self, batch: Batch) -> LossTerms:  # the training forward
@@ -218,34 +187,28 @@ class Method(nn.Module):
         return terms.task if terms.task is not None else terms.per_sample
 
     def project_update(self, name: str, delta: torch.Tensor) -> torch.Tensor | None:
-        """Confine the optimizer's update of parameter ``name`` to a subspace.
+        """Confine the optimizer's update of parameter ``name`` to a subspace (``projects_updates``).
 
         ``delta`` is the full fp32 update the optimizer just applied (new - old). Return the update to
         keep instead, or None to keep it as it is. Projecting the update rather than the gradient keeps
-        it in the subspace under Adam (see DESIGN.md's traps).
+        it in the subspace under Adam (docs/architecture.md, "Known faults of the official code").
         """
         return None
 
-    @property
-    def projects_updates(self) -> bool:
-        return type(self).project_update is not Method.project_update
-
     # -- subspace stage ----------------------------------------------------------------------------
     def statistics(self, batch: Batch) -> dict[str, torch.Tensor] | None:
-        """Statistics of one batch; None = no subspace stage. Tensors are summed over batches and
-        ranks, except keys starting with ``cat:``, whose rows are concatenated over batches and ranks
-        (rank order) -- raw features for fits that are not additive, e.g. a mixture of Gaussians."""
+        """Statistics of one batch (``has_subspace_stage``), or None to skip the batch. Tensors are summed
+        over batches and ranks, except keys starting with ``cat:``, whose rows are concatenated over
+        batches and ranks (rank order) -- raw features for fits that are not additive (mixtures)."""
         return None
 
     def finalize_statistics(self, reduced: dict[str, torch.Tensor], task: int) -> None:
         """Turn the rank-summed statistics of task ``task`` (-1: the reference set) into method state.
-        Runs on rank 0 only; the pipeline broadcasts the resulting state_dict."""
+        Runs on rank 0 only; the resulting state_dict is broadcast to every rank."""
 
-    @classmethod
-    def reference_required(cls, params: MethodParams) -> bool:
-        """True when the method needs the statistics of ``data.reference`` (a sample of the backbone's
-        pre-training data) before the first task, e.g. Fwd-Prompt's pre-trained subspace."""
-        return False
+    def subspace_report(self) -> dict[str, Any]:
+        """Numbers about the last subspace stage (ranks, replay losses) for the training log."""
+        return {}
 
     # -- inference ---------------------------------------------------------------------------------
     @contextmanager
@@ -263,4 +226,16 @@ class Method(nn.Module):
 
     @abstractmethod
     def predict(self, batch: Batch) -> torch.Tensor:
-        """Predicted global class index per sample; each row depends only on its own sample."""
+        """Predicted global class index per sample (classification); each row depends only on its sample."""
+
+    def generate(self, batch: Batch, max_new_tokens: int) -> list[str]:
+        """Generated answer per sample (instruction tasks); each answer depends only on its sample."""
+        raise TypeError(f"method {self.name} predicts classes; it does not generate answers")
+
+
+def auxiliary_of(auxiliary: Mapping[str, nn.Module] | None, name: str, method: str) -> nn.Module:
+    """``auxiliary[name]``, or a one-line error saying the method was built without it."""
+    if not auxiliary or name not in auxiliary:
+        raise ValueError(f"method {method} needs its auxiliary backbone {name!r} (declared by auxiliary_backbones; "
+                         f"the pipeline loads it, tests pass auxiliary={{{name!r}: ...}})")
+    return auxiliary[name]

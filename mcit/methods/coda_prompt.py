@@ -23,9 +23,10 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
-from mcit.methods.base import Batch, LossTerms, Method, MethodParams, TaskSequence
+from mcit.data.types import Batch, TaskSequence
+from mcit.methods.base import LossTerms, Method, MethodParams
 from mcit.methods.prompting import mask_to_classes, per_head
-from mcit.models.vit import LayerPrompt
+from mcit.models.base import LayerPrompt
 from mcit.registry import METHODS
 
 

@@ -11,7 +11,7 @@ At the start of task t > 0 its E-prompt is initialised from task t-1's (``shared
 
 Two deliberate differences from the public code, both correctness fixes:
   * the per-sample prefix is built with a permute (``mcit.methods.prompting.gather_prefix``); the
-    public code's reshape mixes samples of a batch with each other (see DESIGN.md's traps);
+    public code's reshape mixes samples of a batch with each other (docs/architecture.md, "Known faults");
   * selection is per sample; the official default ``batchwise_prompt`` majority vote (test accuracy
     depends on the test batch size) is available only as the explicit ``batchwise_selection: true``.
 """
@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from pydantic import Field, model_validator
 from torch import nn
 
-from mcit.methods.base import Batch, LossTerms, Method, MethodParams, TaskSequence
+from mcit.data.types import Batch, TaskSequence
+from mcit.methods.base import LossTerms, Method, MethodParams
 from mcit.methods.prompting import cosine, gather_prefix, mask_to_classes, prefix_prompt, uniform_
 from mcit.registry import METHODS
 

@@ -50,7 +50,8 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
-from mcit.methods.base import Batch, LossTerms, MethodParams, TaskSequence
+from mcit.data.types import Batch, TaskSequence
+from mcit.methods.base import LossTerms, MethodParams
 from mcit.methods.instruction import InstructionMethod, init_from_vocab
 from mcit.registry import METHODS
 from mcit.subspace import energy_basis, project_out, token_covariance
@@ -72,6 +73,8 @@ class FwdPromptParams(MethodParams):
 class FwdPrompt(InstructionMethod):
     name = "fwd_prompt"
     Params = FwdPromptParams
+    has_subspace_stage = True
+    projects_updates = True
 
     def __init__(self, params: FwdPromptParams, backbone: nn.Module, sequence: TaskSequence) -> None:
         super().__init__(params, backbone, sequence)

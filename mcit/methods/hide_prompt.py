@@ -21,7 +21,7 @@ The class statistics come from the pipeline's subspace stage (summed over ranks;
 Gaussians and runs TAP, seeded, then the state is broadcast). Differences from the official code,
 and why: the TII head is trained in the same pass as the prompts (with its own learning rate,
 ``tii_lr_scale``) instead of a separate run; the prefix is built with a permute, not the public
-reshape (see DESIGN.md); the official default ``multi-centroid`` storage needs every raw feature on
+reshape (docs/architecture.md, "Known faults"); the official default ``multi-centroid`` storage needs every raw feature on
 one process (k-means) and is left out in favour of the streamed covariance / variance options.
 """
 
@@ -36,7 +36,8 @@ from pydantic import Field
 from torch import nn
 
 from mcit.methods.class_gaussians import class_moments, gaussian_factors, moments_to_gaussians, sample_classes
-from mcit.methods.base import Batch, LossTerms, Method, MethodParams, TaskSequence
+from mcit.data.types import Batch, TaskSequence
+from mcit.methods.base import LossTerms, Method, MethodParams
 from mcit.methods.prompting import gather_prefix, mask_to_classes, prefix_prompt, uniform_
 from mcit.registry import METHODS
 
@@ -84,6 +85,7 @@ def _cosine_lr(base: float, epoch: int, total: int) -> float:
 class HiDePrompt(Method):
     name = "hide_prompt"
     Params = HiDePromptParams
+    has_subspace_stage = True
 
     def __init__(self, params: HiDePromptParams, backbone: nn.Module, sequence: TaskSequence) -> None:
         super().__init__(params, backbone, sequence)

@@ -12,7 +12,8 @@ from typing import Any, Iterator
 
 import torch
 
-from mcit.methods.base import Batch, LossTerms, Method
+from mcit.data.types import Batch
+from mcit.methods.base import LossTerms, Method
 
 
 class InstructionMethod(Method):

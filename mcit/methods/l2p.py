@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
-from mcit.methods.base import Batch, LossTerms, Method, MethodParams, TaskSequence
+from mcit.data.types import Batch, TaskSequence
+from mcit.methods.base import LossTerms, Method, MethodParams
 from mcit.methods.prompting import insert_prompts, mask_to_classes, pool, uniform_
 from mcit.registry import METHODS
 
@@ -65,7 +66,8 @@ class L2P(Method):
             idx = major.unsqueeze(0).expand(query.shape[0], -1)
         return idx, sim
 
-    def _forward(self, pixel_values: torch.Tensor, query: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    def prompted(self, pixel_values: torch.Tensor, query: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """Logits and selection of the forward with each sample's selected prompts (query: frozen [CLS])."""
         query = self.backbone.cls_features(pixel_values) if query is None else query
         idx, sim = self.select(query)
         b = pixel_values.shape[0]
@@ -76,7 +78,7 @@ class L2P(Method):
         return {"logits": logits, "selected_sim": sim.gather(1, idx).sum(dim=1), "idx": idx}
 
     def train_outputs(self, batch: Batch) -> dict[str, torch.Tensor]:
-        return self._forward(batch.pixel_values)
+        return self.prompted(batch.pixel_values)
 
     def loss(self, batch: Batch, outputs: dict[str, torch.Tensor]) -> LossTerms:
         logits = outputs["logits"].float()
@@ -88,4 +90,4 @@ class L2P(Method):
 
     @torch.no_grad()
     def predict(self, batch: Batch) -> torch.Tensor:
-        return self.restrict(self._forward(batch.pixel_values)["logits"], batch).argmax(dim=-1)
+        return self.restrict(self.prompted(batch.pixel_values)["logits"], batch).argmax(dim=-1)

@@ -17,7 +17,8 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from mcit.methods.base import MethodParams, TaskSequence
+from mcit.data.types import TaskSequence
+from mcit.methods.base import MethodParams
 from mcit.methods.instruction import InstructionMethod
 from mcit.registry import METHODS
 

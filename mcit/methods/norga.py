@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mcit.methods.base import TaskSequence
+from mcit.data.types import TaskSequence
 from mcit.methods.hide_prompt import HiDePrompt, HiDePromptParams
 from mcit.registry import METHODS
 

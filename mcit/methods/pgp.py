@@ -13,7 +13,7 @@ orthogonal complement, dP <- dP - dP U U^T (DualPrompt: the key half of each pre
 basis), so old tasks' query-key matches and attention scores stay where they were.
 
 Differences from JingyangQiao/prompt-gradient-projection, and why: that code projects the raw
-gradient before Adam, which does not keep Adam's step in the complement (DESIGN.md's traps), so the
+gradient before Adam, which does not keep Adam's step in the complement (docs/architecture.md, "Known faults"), so the
 update itself is projected here; and its prompt basis comes from a PCA of flattened sample
 representations whose sample count (768) happens to equal ViT-B's width, so its "feature space" is
 a sample space -- here the bases live in the spaces the paper's conditions are about. Thresholds
@@ -26,17 +26,20 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from mcit.methods.base import Batch, TaskSequence
+from mcit.data.types import Batch, TaskSequence
 from mcit.methods.dualprompt import DualPrompt, DualPromptParams, task_prompt_ids
 from mcit.methods.l2p import L2P, L2PParams
 from mcit.methods.prompting import gather_prefix
-from mcit.models.vit import LayerPrompt
+from mcit.models.base import LayerPrompt
 from mcit.registry import METHODS
 from mcit.subspace import energy_basis, project_out
 
 
 class PGPMixin:
     """Bases, statistics and update projection shared by both PGP variants."""
+
+    has_subspace_stage = True
+    projects_updates = True
 
     def _init_pgp(self, n_sets: int, set_dim: int, d: int) -> None:
         self.register_buffer("pgp_key_basis", torch.zeros(d, d))

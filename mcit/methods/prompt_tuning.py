@@ -14,7 +14,8 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from mcit.methods.base import Batch, MethodParams, TaskSequence
+from mcit.data.types import Batch, TaskSequence
+from mcit.methods.base import MethodParams
 from mcit.methods.instruction import InstructionMethod, init_from_vocab
 from mcit.registry import METHODS
 

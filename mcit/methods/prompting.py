@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mcit.models.base import LayerPrompt
+
 
 def insert_prompts(backbone: nn.Module, pixel_values: torch.Tensor, prompts: torch.Tensor) -> torch.Tensor:
     """Run the frozen ViT with ``prompts`` (B, P, D) inserted between [CLS] and the patch tokens.
@@ -55,17 +57,15 @@ def gather_prefix(pool: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     The public DualPrompt / HiDe-Prompt ports index ``pool[:, :, idx]`` -> (layers, 2, B, k, L, H, hd)
     and then ``reshape`` to (layers, B, 2, ...), which interleaves the key/value axis with the batch
     axis: with B > 1 sample b gets another sample's prompt (or a value half as its key half). The
-    batch axis must be moved with a permute first, as here (pinned in tests/test_cil_methods.py).
+    batch axis must be moved with a permute first, as here (pinned in tests/unit/test_cil_methods.py).
     """
     sel = pool[:, :, idx]  # (layers, 2, B, k, L, H, hd)
     n_layers, dual, b, k, length, h, hd = sel.shape
     return sel.permute(0, 2, 1, 3, 4, 5, 6).reshape(n_layers, b, dual, k * length, h, hd)
 
 
-def prefix_prompt(prefix: torch.Tensor) -> "LayerPrompt":
+def prefix_prompt(prefix: torch.Tensor) -> LayerPrompt:
     """One layer's (B, 2, P, H, hd) prefix as the LayerPrompt the backbone's attention reads."""
-    from mcit.models.vit import LayerPrompt
-
     p = prefix.transpose(2, 3)  # (B, 2, H, P, hd)
     return LayerPrompt(key=p[:, 0], value=p[:, 1])
 

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
-from mcit.methods.base import Batch, LossTerms, Method, MethodParams, TaskSequence
+from mcit.data.types import Batch, TaskSequence
+from mcit.methods.base import LossTerms, Method, MethodParams
 from mcit.methods.prompting import insert_prompts, pool, uniform_
 from mcit.registry import METHODS
 

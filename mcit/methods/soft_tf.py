@@ -42,7 +42,8 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
-from mcit.methods.base import Batch, MethodParams, TaskSequence
+from mcit.data.types import Batch, TaskSequence
+from mcit.methods.base import MethodParams
 from mcit.methods.dualprompt import DualPrompt, DualPromptParams, task_prompt_ids
 from mcit.methods.l2p import L2P, L2PParams
 from mcit.methods.prompting import cosine, uniform_
@@ -103,6 +104,8 @@ class _Masked:
 class SoftMasks:
     """The per-task soft masks and task inference, mixed into a prompt method (DualPrompt, L2P).
     The host provides ``task_logits(x, task)``, ``superposed_logits(rows, mix)`` and ``prompt_id(batch)``."""
+
+    projects_updates = True  # only the current task's masks move
 
     def build_masks(self, params: SoftMaskParams, backbone: nn.Module, default_layers: list[int]) -> None:
         self.mask_layers = list(default_layers if params.mask_layers is None else params.mask_layers)
@@ -249,14 +252,14 @@ class L2PSoftTF(SoftMasks, L2P):
     def task_logits(self, pixel_values: torch.Tensor, task: torch.Tensor) -> torch.Tensor:
         query = self.backbone.cls_features(pixel_values)  # before the masks: the pre-trained query
         with self.masks(self._onehot(task)):
-            return self._forward(pixel_values, query)["logits"]
+            return self.prompted(pixel_values, query)["logits"]
 
     def train_outputs(self, batch: Batch) -> dict[str, torch.Tensor]:
         x = batch.pixel_values
         query = self.backbone.cls_features(x)
         task = torch.full((x.shape[0],), batch.task, dtype=torch.long, device=x.device)
         with self.masks(self._onehot(task)):
-            out = self._forward(x, query)
+            out = self.prompted(x, query)
         out["selected_sim"] = out["selected_sim"] + cosine(query, self.task_key)[:, batch.task]
         return out
 
@@ -267,4 +270,4 @@ class L2PSoftTF(SoftMasks, L2P):
     def superposed_logits(self, rows: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
         query = self.backbone.cls_features(rows)
         with self.masks(mix):
-            return self._forward(rows, query)["logits"].float()
+            return self.prompted(rows, query)["logits"].float()

@@ -4,7 +4,8 @@ as in the paper and its official code (aimagelab/mammoth: ``starprompt`` and ``s
 Two levels, run as two phases of every task (two train stages and two subspace stages of the
 pipeline, in this order):
 
-``first`` -- CLIP's text side (the CLIP checkpoint at ``clip_path``; frozen). Every class has one
+``first`` -- CLIP's text side (the CLIP checkpoint at ``clip_path``, an auxiliary backbone resolved
+through the zoo like the run's backbone and loaded once per process; frozen). Every class has one
 learnable context token that replaces "X" in "X <class name>."; the text encoder turns it into the
 class's key (a prototype in CLIP's image-text space). Training task t fits its classes' tokens with
 CLIP's image-text cross-entropy over its own classes (earlier tasks' keys frozen) plus
@@ -33,20 +34,25 @@ does the same with its denormalisation transform).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Mapping
 
 import torch
 import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
-from mcit.methods.base import Batch, LossTerms, Method, MethodParams, TaskSequence
+from mcit.data.types import Batch, TaskSequence
+from mcit.methods.base import AuxiliaryBackbone, LossTerms, Method, MethodParams, auxiliary_of
 from mcit.methods.class_gaussians import fit_mixture, sample_mixture
 from mcit.registry import METHODS
 
 
 class STARPromptParams(MethodParams):
-    clip_path: str = Field(..., description="local HF CLIP directory for the first level (official: ViT-L/14)")
+    clip_path: str = Field(..., description="the first level's CLIP (official: OpenAI ViT-L/14): an HF directory, "
+                                            "or the original file for a zoo clip_tag")
+    clip_tag: str = Field("local", description="backbone zoo tag of clip_path (e.g. clip_vitl14_openai), or a label "
+                                              "for an HF directory; recorded with its sha256 in backbone.json")
+    clip_tokenizer: str | None = Field(None, description="clip_path an OpenAI file: a directory with its tokenizer")
     prompt_layers: list[int] | None = Field(None, description="ViT blocks with residual prompts; default all")
     confidence_modulation: bool = True
     # first level
@@ -82,21 +88,17 @@ class STARPrompt(Method):
     name = "star_prompt"
     Params = STARPromptParams
     phases = ("first", "second")
+    has_subspace_stage = True
 
     @classmethod
-    def check_inputs(cls, params: STARPromptParams) -> None:
-        from mcit.models.clip import check_clip_dir
+    def auxiliary_backbones(cls, params: STARPromptParams) -> dict[str, AuxiliaryBackbone]:
+        return {"clip": AuxiliaryBackbone("clip", params.clip_path, params.clip_tag, params.clip_tokenizer,
+                                          key="method.clip_path")}
 
-        try:
-            check_clip_dir(params.clip_path)
-        except ValueError as e:
-            raise ValueError(f"method.clip_path: {e}") from None
-
-    def __init__(self, params: STARPromptParams, backbone: nn.Module, sequence: TaskSequence) -> None:
+    def __init__(self, params: STARPromptParams, backbone: nn.Module, sequence: TaskSequence, *,
+                 auxiliary: Mapping[str, nn.Module] | None = None) -> None:
         super().__init__(params, backbone, sequence)
-        from mcit.models.clip import load_clip
-
-        clip = load_clip(params.clip_path)
+        clip = auxiliary_of(auxiliary, "clip", self.name)
         object.__setattr__(self, "clip", clip)  # frozen, by reference: not in the state dict
         C, D, E = sequence.num_classes, backbone.hidden_size, clip.projection_dim
         self.layers = list(range(backbone.num_layers)) if params.prompt_layers is None else list(params.prompt_layers)
@@ -203,7 +205,7 @@ class STARPrompt(Method):
 
     def super_prompts(self, query: torch.Tensor, classes: list[int], frozen: int = 0) -> dict:
         """Every prompted block's LayerPrompt: the residual (B, H, 1, hd) of each sample's best class."""
-        from mcit.models.vit import LayerPrompt
+        from mcit.models.base import LayerPrompt
 
         b, h, hd = query.shape[0], self.backbone.num_heads, self.backbone.head_dim
         out = {}

@@ -46,10 +46,11 @@ import torch.nn.functional as F
 from pydantic import Field, model_validator
 from torch import nn
 
-from mcit.methods.base import Batch, LossTerms, Method, MethodParams, TaskSequence
+from mcit.data.types import Batch, TaskSequence
+from mcit.methods.base import LossTerms, Method, MethodParams
 from mcit.methods.class_gaussians import class_moments, gaussian_factors, moments_to_gaussians, sample_classes
 from mcit.methods.prompting import mask_to_classes, uniform_
-from mcit.models.vit import LayerPrompt
+from mcit.models.base import LayerPrompt
 from mcit.registry import METHODS
 
 
@@ -128,6 +129,8 @@ def null_projection(cov: torch.Tensor, mode: str, thres: float, eta: float) -> t
 class VPTNSP2(Method):
     name = "vpt_nsp2"
     Params = VPTNSP2Params
+    has_subspace_stage = True
+    projects_updates = True
 
     def __init__(self, params: VPTNSP2Params, backbone: nn.Module, sequence: TaskSequence) -> None:
         super().__init__(params, backbone, sequence)
@@ -173,7 +176,8 @@ class VPTNSP2(Method):
         self.prev_prompt.copy_(self.prompt.detach())
 
     # -- forward -----------------------------------------------------------------------------------
-    def _hidden(self, pixel_values: torch.Tensor, capture: dict | None = None) -> torch.Tensor:
+    def hidden(self, pixel_values: torch.Tensor, capture: dict | None = None) -> torch.Tensor:
+        """Final hidden states (B, T, D) with this method's prompts (``capture``: fill it with the statistics)."""
         b = pixel_values.shape[0]
         appended = {layer: self.prompt[i].unsqueeze(0).expand(b, -1, -1) for i, layer in enumerate(self.layers)}
         if not self._prompts_on:
@@ -183,15 +187,16 @@ class VPTNSP2(Method):
             prompts = {layer: LayerPrompt(capture=self._capturer(i, layer, capture)) for i, layer in enumerate(self.layers)}
         return self.backbone.encode(self.backbone.embed(pixel_values), prompts=prompts, appended=appended)
 
-    def _classify(self, pooled: torch.Tensor) -> torch.Tensor:
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
         """Logits over every class from pooled features (B, D)."""
         out = self.head(pooled.to(self.head.weight.dtype))
         if self.text_classifier:
             return self.logit_scale.exp() * F.normalize(out.float(), dim=-1) @ self.text_feats.t()
         return out
 
-    def _logits(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        return self._classify(self._hidden(pixel_values)[:, 0])
+    def logits(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """Logits over every class of the prompted [CLS] feature."""
+        return self.classify(self.hidden(pixel_values)[:, 0])
 
     @contextmanager
     def zero_shot(self) -> Iterator[None]:
@@ -203,7 +208,7 @@ class VPTNSP2(Method):
             self._prompts_on = True
 
     def train_outputs(self, batch: Batch) -> dict[str, torch.Tensor]:
-        return {"logits": self._logits(batch.pixel_values)}
+        return {"logits": self.logits(batch.pixel_values)}
 
     def ln_loss(self) -> torch.Tensor:
         """L_LN: L1 distance of each prompt token's mean and std (over D) to the previous task's."""
@@ -222,7 +227,7 @@ class VPTNSP2(Method):
 
     @torch.no_grad()
     def predict(self, batch: Batch) -> torch.Tensor:
-        return self.restrict(self._logits(batch.pixel_values), batch).argmax(dim=-1)
+        return self.restrict(self.logits(batch.pixel_values), batch).argmax(dim=-1)
 
     # -- null-space projection ---------------------------------------------------------------------
     def project_update(self, name: str, delta: torch.Tensor) -> torch.Tensor | None:
@@ -259,7 +264,7 @@ class VPTNSP2(Method):
             return None
         out: dict[str, torch.Tensor] = {}
         valid = batch.valid.bool()
-        hidden = self._hidden(batch.pixel_values[valid], capture=out if self.params.null_space else None)
+        hidden = self.hidden(batch.pixel_values[valid], capture=out if self.params.null_space else None)
         if self._refines:
             classes = torch.tensor(self.sequence.tasks[self.current_task].classes, device=hidden.device)
             onehot = batch.labels[valid].unsqueeze(1) == classes.unsqueeze(0)
@@ -294,7 +299,7 @@ class VPTNSP2(Method):
             x, y = x[perm].to(dev), y[perm].to(dev)
             for i in range(0, len(y), 256):
                 with torch.enable_grad():
-                    logits = self._classify(x[i:i + 256]).masked_fill(~allowed, float("-inf"))
+                    logits = self.classify(x[i:i + 256]).masked_fill(~allowed, float("-inf"))
                     loss = F.cross_entropy(logits, y[i:i + 256])
                     opt.zero_grad()
                     loss.backward()

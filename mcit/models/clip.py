@@ -13,7 +13,6 @@ text transformer on given token embeddings.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -21,70 +20,44 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mcit.models.vit import (ATTENTION_NAME, BackboneError, PromptableImageEncoder, check_checkpoint_dir,
-                             prompted_attention)
+from mcit.models.base import BackboneError, PromptableImageEncoder, check_hf_dir
 from mcit.registry import BACKBONES
-
-
-def check_clip_dir(path: str | Path) -> dict:
-    """Cheap pre-flight check: an HF CLIP checkpoint directory with a tokenizer."""
-    cfg = check_checkpoint_dir(path)
-    if cfg.get("model_type") != "clip":
-        raise BackboneError(f"backbone path {path}: config.json has model_type {cfg.get('model_type')!r}, not 'clip'")
-    p = Path(path)
-    if not any((p / f).is_file() for f in ("tokenizer.json", "vocab.json", "tokenizer_config.json")):
-        raise BackboneError(f"backbone path {path} has no tokenizer files (tokenizer.json or vocab.json)")
-    return cfg
 
 
 @BACKBONES.register("clip")
 class CLIPBackbone(PromptableImageEncoder):
-    """Frozen CLIPModel, its tokenizer and its image normalisation."""
+    """Frozen CLIPModel, its tokenizer and its image normalisation (CLIP's own unless the checkpoint's
+    preprocessor config says otherwise)."""
 
     resample = 3  # PIL.Image.BICUBIC, as CLIP's image processor
+    default_mean = (0.48145466, 0.4578275, 0.40821073)
+    default_std = (0.26862954, 0.26130258, 0.27577711)
 
-    def __init__(self, model: nn.Module, tokenizer: Any, image_mean: list[float], image_std: list[float]) -> None:
-        super().__init__()
-        self.model = model
-        self.model.requires_grad_(False)
-        self.model.eval()
+    def __init__(self, model: nn.Module, image_mean: list[float], image_std: list[float], tokenizer: Any = None) -> None:
+        super().__init__(model, image_mean, image_std)
         self.tokenizer = tokenizer
-        vc = model.config.vision_config
-        self.image_size = int(vc.image_size)
-        self.hidden_size = int(vc.hidden_size)
-        self.num_layers = int(vc.num_hidden_layers)
-        self.num_heads = int(vc.num_attention_heads)
-        self.head_dim = self.hidden_size // self.num_heads
         self.projection_dim = int(model.config.projection_dim)
         self.text_hidden_size = int(model.config.text_config.hidden_size)
-        from transformers import AttentionInterface
-
-        AttentionInterface.register(ATTENTION_NAME, prompted_attention)
-        # Unprompted attention (all of the text side) falls back to transformers' SDPA path.
-        self.model.set_attn_implementation(ATTENTION_NAME)
-        self.register_buffer("mean", torch.tensor(image_mean).view(1, -1, 1, 1), persistent=False)
-        self.register_buffer("std", torch.tensor(image_std).view(1, -1, 1, 1), persistent=False)
 
     @classmethod
-    def from_path(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> "CLIPBackbone":
+    def check(cls, path: str | Path) -> None:
+        """An HF CLIP checkpoint directory with a tokenizer."""
+        cfg = check_hf_dir(path)
+        if cfg.get("model_type") != "clip":
+            raise BackboneError(f"backbone path {path}: config.json has model_type {cfg.get('model_type')!r}, not 'clip'")
+        p = Path(path)
+        if not any((p / f).is_file() for f in ("tokenizer.json", "vocab.json", "tokenizer_config.json")):
+            raise BackboneError(f"backbone path {path} has no tokenizer files (tokenizer.json or vocab.json)")
+
+    @staticmethod
+    def vision_config(model: nn.Module) -> Any:
+        return model.config.vision_config
+
+    @classmethod
+    def load_model(cls, path: str | Path, dtype: torch.dtype) -> tuple[nn.Module, dict[str, Any]]:
         from transformers import AutoTokenizer, CLIPModel
 
-        check_clip_dir(path)
-        try:
-            model = CLIPModel.from_pretrained(str(path), dtype=dtype)
-            tokenizer = AutoTokenizer.from_pretrained(str(path))
-        except Exception as e:  # noqa: BLE001 - surface as one line naming the path
-            raise BackboneError(f"cannot load CLIP backbone from {path}: {str(e).splitlines()[0]}") from None
-        proc: dict[str, Any] = {}
-        pp = Path(path) / "preprocessor_config.json"
-        if pp.is_file():
-            proc = json.loads(pp.read_text())
-        mean = proc.get("image_mean", [0.48145466, 0.4578275, 0.40821073])
-        std = proc.get("image_std", [0.26862954, 0.26130258, 0.27577711])
-        return cls(model, tokenizer, mean, std)
-
-    def train(self, mode: bool = True) -> "CLIPBackbone":  # frozen: always eval
-        return super().train(False)
+        return CLIPModel.from_pretrained(str(path), dtype=dtype), {"tokenizer": AutoTokenizer.from_pretrained(str(path))}
 
     @property
     def dtype(self) -> torch.dtype:
@@ -178,15 +151,3 @@ class CLIPBackbone(PromptableImageEncoder):
             pos = (input_ids.to(torch.int) == tm.eos_token_id).int().argmax(dim=-1)
         pooled = hidden[torch.arange(hidden.shape[0], device=hidden.device), pos]
         return F.normalize(self.model.text_projection(pooled).float(), dim=-1)
-
-
-_LOADED: dict[tuple[str, str], CLIPBackbone] = {}
-
-
-def load_clip(path: str | Path, dtype: torch.dtype = torch.float32) -> CLIPBackbone:
-    """A frozen CLIP for a method's own use (STAR-Prompt's first stage), loaded once per process:
-    the pipeline rebuilds methods between stages, and reloading ViT-L/14 each time costs seconds."""
-    key = (str(Path(path).resolve()), str(dtype))
-    if key not in _LOADED:
-        _LOADED[key] = CLIPBackbone.from_path(path, dtype=dtype)
-    return _LOADED[key]

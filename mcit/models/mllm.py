@@ -25,8 +25,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from mcit.methods.base import Batch
-from mcit.models.vit import BackboneError
+from mcit.data.types import Batch
+from mcit.models.base import Backbone, BackboneError
 from mcit.registry import BACKBONES
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -43,9 +43,9 @@ def check_model_source(path: str) -> None:
         raise BackboneError(f"backbone path not found: {path}")
 
 
-def quantization_config(mode: str, dtype: torch.dtype) -> Any:
-    """BitsAndBytesConfig for a 4-bit (nf4, double quant) or 8-bit frozen backbone; a clear error where
-    bitsandbytes is missing or cannot run."""
+def quantization_config(mode: str, dtype: torch.dtype, keep: tuple[str, ...] = ("lm_head",)) -> Any:
+    """BitsAndBytesConfig for a 4-bit (nf4, double quant) or 8-bit frozen backbone; modules whose names
+    contain an entry of ``keep`` stay in ``dtype``. A clear error where bitsandbytes is missing."""
     if mode == "none":
         return None
     try:
@@ -56,17 +56,28 @@ def quantization_config(mode: str, dtype: torch.dtype) -> Any:
                             f"({e.__class__.__name__}: {e})") from None
     if mode == "4bit":
         return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                  bnb_4bit_compute_dtype=dtype)
-    return BitsAndBytesConfig(load_in_8bit=True)
+                                  bnb_4bit_compute_dtype=dtype, llm_int8_skip_modules=list(keep))
+    return BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=list(keep))
 
 
-class MLLMBackbone(nn.Module):
-    """A frozen LLaVA-architecture model and its processor (registered as backbone kind ``llava``)."""
+class MLLMBackbone(Backbone):
+    """A frozen multimodal LLM and its processor; registered once per model family (``LlavaBackbone``,
+    ``InstructBlipBackbone``, ``Qwen2VLBackbone`` below), each naming its transformers class."""
 
     task_type = "generation"
+    load_options = ("quantization", "max_length")
+    hub_ids = True
+    model_kind: str = "llava"  # the MODEL_CLASSES key ``from_path`` loads
 
     MODEL_CLASSES = {"llava": "LlavaForConditionalGeneration", "instructblip": "InstructBlipForConditionalGeneration",
                      "qwen2_vl": "Qwen2VLForConditionalGeneration"}
+    # What ``backbone.quantization`` leaves unquantized: the output head, and the vision side (tower,
+    # Q-Former, projector), as LLaVA's own 4/8-bit loader does (it quantizes the language model only).
+    # bitsandbytes' packed CPU 4-bit kernels also need in_features >= their 64-wide blocks.
+    # (transformers matches each entry from the start of a module's full name, as a regex, or as a suffix.)
+    UNQUANTIZED = {"llava": ("lm_head", ".*vision_tower", ".*multi_modal_projector"),
+                   "instructblip": ("lm_head", ".*vision_model", ".*qformer", ".*language_projection"),
+                   "qwen2_vl": ("lm_head", ".*visual")}
 
     def __init__(self, model: nn.Module, processor: Any, max_length: int = 2048) -> None:
         super().__init__()
@@ -94,14 +105,20 @@ class MLLMBackbone(nn.Module):
         self.text_query_dim = self.hidden_size
 
     @classmethod
+    def check(cls, path: str) -> None:
+        """A local HF directory (config.json present) or, where the directory does not exist, a hub id."""
+        check_model_source(path)
+
+    @classmethod
     def from_path(cls, path: str, dtype: torch.dtype = torch.float32, quantization: str = "none",
-                  max_length: int = 2048, kind: str = "llava") -> "MLLMBackbone":
+                  max_length: int = 2048) -> "MLLMBackbone":
         import transformers
         from transformers import AutoProcessor
 
+        kind = cls.model_kind
         model_cls = getattr(transformers, cls.MODEL_CLASSES[kind])
-        check_model_source(path)
-        qc = quantization_config(quantization, dtype)
+        cls.check(path)
+        qc = quantization_config(quantization, dtype, cls.UNQUANTIZED[kind])
         try:
             try:
                 processor = AutoProcessor.from_pretrained(path)
@@ -116,9 +133,6 @@ class MLLMBackbone(nn.Module):
         except Exception as e:  # noqa: BLE001 - one line naming the path
             raise BackboneError(f"cannot load {kind} backbone from {path}: {str(e).splitlines()[0]}") from None
         return cls(model, processor, max_length)
-
-    def train(self, mode: bool = True) -> "MLLMBackbone":  # frozen: always eval
-        return super().train(False)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -407,18 +421,26 @@ class ImageTokenProcessor:
             (Path(path) / "chat_template.jinja").write_text(self.chat_template)
 
 
-class _KindLoader:
-    """What the backbone registry holds for one multimodal kind: ``from_path`` with the kind bound."""
+@BACKBONES.register("llava")
+class LlavaBackbone(MLLMBackbone):
+    """LLaVA / LLaVA-1.5 (LlavaForConditionalGeneration)."""
 
-    def __init__(self, kind: str) -> None:
-        self.kind = kind
-
-    def from_path(self, path: str, dtype: torch.dtype = torch.float32, **options: Any) -> MLLMBackbone:
-        return MLLMBackbone.from_path(path, dtype, kind=self.kind, **options)
+    model_kind = "llava"
 
 
-for _kind in MLLMBackbone.MODEL_CLASSES:
-    BACKBONES.register(_kind)(_KindLoader(_kind))
+@BACKBONES.register("instructblip")
+class InstructBlipBackbone(MLLMBackbone):
+    """InstructBLIP with a decoder-only LLM (InstructBlipForConditionalGeneration)."""
+
+    model_kind = "instructblip"
+
+
+@BACKBONES.register("qwen2_vl")
+class Qwen2VLBackbone(MLLMBackbone):
+    """Qwen2-VL (Qwen2VLForConditionalGeneration)."""
+
+    model_kind = "qwen2_vl"
+
 
 # llava-hf/llava-1.5-7b-hf's architecture (CLIP ViT-L/14-336 + Vicuna-7B), for building it without weights.
 LLAVA15_7B = {

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mcit.models.vit import BackboneError
+from mcit.models.base import BackboneError
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 CLIP_MEAN, CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)

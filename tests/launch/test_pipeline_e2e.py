@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import EVALUATE, launch, tiny_config
+from conftest import EVALUATE, FAULTY, launch, tiny_config
 
 METRIC_KEYS = {"tasks", "acc_matrix", "final_avg_acc", "final_avg_acc_task_mean", "avg_incremental_acc",
                "forgetting", "bwt", "fwd"}
@@ -76,7 +76,7 @@ def test_killed_run_resumes_to_identical_metrics(assets, work, reference_run):
     _, ref_dir, _ = reference_run
     cfg = tiny_config(assets, work, "killed")
     run_dir = work / "runs" / "killed"
-    res = launch(["--config", str(cfg)], launcher="deepspeed", nproc=2, MCIT_FAULT_AT="1:5")
+    res = launch(["--config", str(cfg)], launcher="deepspeed", nproc=2, entry=FAULTY, MCIT_TEST_FAULT="1:5")
     assert res.returncode != 0
     state = json.loads((run_dir / "state.json").read_text())
     assert "1/train" not in state["completed"] and "0/commit" in state["completed"]
@@ -96,7 +96,7 @@ def test_preempted_run_commits_its_step_and_resumes_to_identical_metrics(assets,
     _, ref_dir, _ = reference_run
     cfg = tiny_config(assets, work, "preempt")
     run_dir = work / "runs" / "preempt"
-    res = launch(["--config", str(cfg)], launcher="deepspeed", nproc=2, MCIT_FAULT_AT="1:4:1:USR1")
+    res = launch(["--config", str(cfg)], launcher="deepspeed", nproc=2, entry=FAULTY, MCIT_TEST_FAULT="1:4:1:USR1")
     assert res.returncode == 75, res.stdout[-2000:] + res.stderr[-2000:]
     assert "preempted at task 1, optimizer step 4" in res.stderr
     committed = json.loads((run_dir / "checkpoints/task_1/steps/committed.json").read_text())
@@ -125,15 +125,15 @@ def test_dead_or_stuck_rank_ends_the_run_within_the_timeout_naming_the_stage(ass
     import sys
     import time
 
-    from conftest import ENTRY, ROOT, free_port, run_env
+    from conftest import ROOT, free_port, run_env
 
     timeout_s = 20
     cfg = tiny_config(assets, work, f"deadrank_{how}", train={"collective_timeout_s": timeout_s})
     port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, str(ENTRY), "--config", str(cfg)], cwd=ROOT, stdout=subprocess.PIPE,
+    procs = [subprocess.Popen([sys.executable, str(FAULTY), "--config", str(cfg)], cwd=ROOT, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True,
                               env=run_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                                          MASTER_PORT=port, MCIT_FAULT_AT=f"1:2:1:{how}"))
+                                          MASTER_PORT=port, MCIT_TEST_FAULT=f"1:2:1:{how}"))
              for r in range(2)]
     try:
         state = work / "runs" / f"deadrank_{how}" / "state.json"
@@ -165,8 +165,8 @@ import json, sys, torch
 from safetensors.torch import load_file
 from mcit.config import load_config
 from mcit.data.shards import open_split, iter_samples
-from mcit.methods.base import TaskSequence
-from mcit.models.vit import load_backbone
+from mcit.data.types import TaskSequence
+from mcit.models.base import load_backbone
 from mcit.registry import METHODS
 run = {str(run_dir)!r}
 desc = json.load(open(run + "/checkpoints/task_0/method.json"))

@@ -2,25 +2,10 @@
 
 import pytest
 import torch
-from transformers import ViTConfig, ViTModel
 
-from mcit.methods.base import Batch, TaskSequence
+from mcit.data.types import Batch
 from mcit.methods.l2p import L2P, L2PParams
 from mcit.methods.seq import Seq, SeqParams
-from mcit.models.vit import ViTBackbone
-
-
-@pytest.fixture(scope="module")
-def backbone():
-    torch.manual_seed(0)
-    cfg = ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                    image_size=16, patch_size=4)
-    return ViTBackbone(ViTModel(cfg, add_pooling_layer=False), [0.5] * 3, [0.5] * 3)
-
-
-@pytest.fixture(scope="module")
-def sequence():
-    return TaskSequence.from_label_spaces(["t0", "t1", "t2"], [[3, 7], [1, 2], [0, 9]])
 
 
 def _batch(n, seed=0, task=0):

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from mcit.models import zoo as Z
-from mcit.models.vit import BackboneError
+from mcit.models.base import BackboneError
 
 D, LAYERS, HEADS, MLP, PATCH, IMG = 32, 2, 4, 64, 4, 16
 TINY_VIT = {"hidden_size": D, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS, "intermediate_size": MLP,
@@ -363,8 +363,9 @@ def test_a_zoo_tag_in_the_config_converts_once_records_its_sha_and_guards_the_ru
     import yaml
 
     from mcit.config import dump_config, load_config
-    from mcit.models.vit import load_backbone
-    from mcit.pipeline import RunDirError, preflight
+    from mcit.models.base import load_backbone
+    from mcit.preflight import preflight
+    from mcit.rundir import RunDirError
 
     monkeypatch.setitem(Z.ZOO, "dino_vitb16", tiny("dino_vitb16"))  # the real tag's ViT-B/16 shape, shrunk
     path, reference = _write(tmp_path, "dino")
@@ -374,11 +375,11 @@ def test_a_zoo_tag_in_the_config_converts_once_records_its_sha_and_guards_the_ru
         "backbone": {"kind": "vit", "tag": "dino_vitb16", "path": str(path), "cache_dir": str(tmp_path / "cache")},
         "data": {"root": str(assets["shards"]), "tasks": ["task0"]}, "method": {"name": "seq"}}))
     plan = preflight(load_config(cfg_path))
-    assert plan.backbone_record["sha256"] == Z.sha256_path(path) and plan.backbone_record["format"] == "dino"
-    converted = Path(plan.backbone_dir)
+    assert plan.backbone.record["sha256"] == Z.sha256_path(path) and plan.backbone.record["format"] == "dino"
+    converted = Path(plan.backbone.directory)
     assert converted.parent == tmp_path / "cache" and (converted / "model.safetensors").is_file()
     stamp = (converted / "zoo.json").stat().st_mtime_ns
-    assert preflight(load_config(cfg_path)).backbone_dir == str(converted)
+    assert preflight(load_config(cfg_path)).backbone.directory == str(converted)
     assert (converted / "zoo.json").stat().st_mtime_ns == stamp  # converted once
     bb = load_backbone("vit", str(converted))
     x = _images()
@@ -386,7 +387,7 @@ def test_a_zoo_tag_in_the_config_converts_once_records_its_sha_and_guards_the_ru
         assert (bb.encode(bb.embed(x)).double() - reference(x)).abs().max() < ATOL
     (tmp_path / "run").mkdir()  # a run that started with another checkpoint under the same tag
     (tmp_path / "run" / "config.yaml").write_text(dump_config(load_config(cfg_path)))
-    (tmp_path / "run" / "backbone.json").write_text(json.dumps({**plan.backbone_record, "sha256": "0" * 64}))
+    (tmp_path / "run" / "backbone.json").write_text(json.dumps({**plan.backbone.record, "sha256": "0" * 64}))
     with pytest.raises(RunDirError, match=r"is not the one run .* started with"):
         preflight(load_config(cfg_path))
     cfg_path.write_text(cfg_path.read_text().replace("dino_vitb16", "dino_vitb61"))

@@ -79,7 +79,7 @@ def test_every_shipped_config_validates_with_its_method():
     method section validates against the method's own parameter model."""
     from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent / "configs"
+    root = Path(__file__).resolve().parents[2] / "configs"
     paths = sorted(root.rglob("*.yaml"))
     assert len(paths) >= 40
     for p in paths:
@@ -102,10 +102,10 @@ def test_lr_schedule_is_per_epoch(tmp_path, schedule, extra, factors):
 
 
 def test_a_run_dir_written_before_a_new_config_key_still_resumes(tmp_path):
-    """check_run_dir compares validated configs: a config.yaml that lacks keys added to the schema since
-    (they take their defaults) belongs to the same run; a changed value does not."""
+    """RunDir.check_belongs_to compares validated configs: a config.yaml that lacks keys added to the schema
+    since (they take their defaults) belongs to the same run; a changed value does not."""
     from mcit.config import dump_config
-    from mcit.pipeline import RunDirError, check_run_dir
+    from mcit.rundir import RunDir, RunDirError
 
     cfg = load_config(write(tmp_path, BASE, "r.yaml"))
     run_dir = tmp_path / "run"
@@ -113,8 +113,8 @@ def test_a_run_dir_written_before_a_new_config_key_still_resumes(tmp_path):
     old = yaml.safe_load(dump_config(cfg))
     del old["meta"], old["eval"]["first_task_loss"]  # as written by an older version
     (run_dir / "config.yaml").write_text(yaml.safe_dump(old, sort_keys=False))
-    check_run_dir(cfg, run_dir)
+    RunDir(run_dir).check_belongs_to(cfg)
     old["train"]["lr"] = 0.5
     (run_dir / "config.yaml").write_text(yaml.safe_dump(old, sort_keys=False))
     with pytest.raises(RunDirError, match="holds a run with a different config"):
-        check_run_dir(cfg, run_dir)
+        RunDir(run_dir).check_belongs_to(cfg)

@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 from mcit.config import validate_config
-from mcit.methods.base import Batch, LossTerms, Method, MethodParams, TaskSequence
+from mcit.data.types import Batch, TaskSequence
+from mcit.methods.base import LossTerms, Method, MethodParams
 from mcit.registry import METHODS
 
 D = 12
@@ -18,6 +19,7 @@ class _Projected(Method):
 
     name = "test_projected"
     Params = MethodParams
+    projects_updates = True
     project_gradient_only = False
 
     def __init__(self, params, backbone, sequence):
@@ -68,9 +70,9 @@ def _leak(method_name: str, ds_config: str) -> float:
     for _ in range(10):
         batch = Batch(torch.randn(8, D, generator=g), torch.randint(0, 3, (8,), generator=g), torch.ones(8), 0)
         train_step(engine, batch, 1.0 / 8)
-    from mcit.engine import _master
+    from mcit.engine import full_fp32
 
-    d = _master(engine.module.w) - w0  # the optimizer's fp32 master value
+    d = full_fp32(engine.module.w) - w0  # the optimizer's fp32 master value
     used = engine.module.w.detach() - w0  # what the next forward reads
     assert torch.allclose(used, d, atol=1e-6)
     P = engine.module.P

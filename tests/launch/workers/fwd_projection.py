@@ -15,8 +15,8 @@ def main(backbone: str, shards: str, ds_config: str, project: str, out: str) -> 
     from mcit.config import validate_config
     from mcit.data.loader import train_batches
     from mcit.data.shards import open_split
-    from mcit.engine import _master, consolidated_state, setup_engine, train_step
-    from mcit.methods.base import TaskSequence
+    from mcit.engine import consolidated_state, full_fp32, setup_engine, train_step
+    from mcit.data.types import TaskSequence
     from mcit.models.mllm import MLLMBackbone
     from mcit.registry import METHODS
     from mcit.subspace import project_out
@@ -55,7 +55,7 @@ def main(backbone: str, shards: str, ds_config: str, project: str, out: str) -> 
             working = engine.module.prompts.detach().clone().float()
     else:
         working = engine.module.prompts.detach().clone().float()
-    gap = float((working - _master(engine.module.prompts) if stage != 3 else working - state["prompts"]).abs().max())
+    gap = float((working - full_fp32(engine.module.prompts) if stage != 3 else working - state["prompts"]).abs().max())
     if dist.is_main():
         Path(out).write_text(json.dumps({"leak": leak, "working_vs_master": gap, "update_norm": float(delta.norm()),
                                          "stage": stage, "world": dist.world_size()}))

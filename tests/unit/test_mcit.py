@@ -1,17 +1,15 @@
-"""MCIT: scorers, streaming subspaces, the LLaVA wrapper's batches and generation, Fwd-Prompt's
-projected updates on 2 ranks (ZeRO-2 and ZeRO-3), and a 2-process ZeRO-3 task sequence."""
+"""MCIT in-process: scorers, streaming subspaces, the multimodal LLM wrappers' batches and generation,
+Fwd-Prompt's ablations, LoRA rebuilds, quantized backbones. (Launched: tests/launch/test_mcit_pipeline.py.)"""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import EVALUATE, ROOT, free_port, launch, mcit_config, run_env
+from conftest import ROOT
+from raw_formats import convert
 from mcit import scorers as S
 from mcit.subspace import energy_basis, project_out, token_covariance
 
@@ -83,7 +81,7 @@ def test_collate_trains_on_answer_tokens_only_and_pads_left_to_generate(llava):
 
 
 def test_generation_does_not_depend_on_the_batch(llava):
-    from mcit.methods.base import TaskSequence
+    from mcit.data.types import TaskSequence
     from mcit.registry import METHODS
 
     bb, split, samples = llava
@@ -99,7 +97,7 @@ def test_generation_does_not_depend_on_the_batch(llava):
 def test_fwd_prompt_ablations_project_onto_or_out_of_the_pretrained_space(llava):
     """``combine: pretrained_only`` keeps every update inside the pre-trained core space (reuse only);
     the default keeps updates out of the old tasks' spaces; ``project: false`` leaves them alone."""
-    from mcit.methods.base import TaskSequence
+    from mcit.data.types import TaskSequence
     from mcit.registry import METHODS
 
     bb, _, _ = llava
@@ -125,7 +123,7 @@ def test_fwd_prompt_ablations_project_onto_or_out_of_the_pretrained_space(llava)
 
 
 def test_lora_rebuild_reuses_injected_adapters(llava):
-    from mcit.methods.base import TaskSequence
+    from mcit.data.types import TaskSequence
     from mcit.registry import METHODS
 
     bb, split, samples = llava
@@ -145,76 +143,6 @@ def test_lora_rebuild_reuses_injected_adapters(llava):
     assert b.merged_delta_norm() == pytest.approx(a.merged_delta_norm())
 
 
-# -- projection on 2 ranks ------------------------------------------------------------------------------
-def _projection(mcit_assets, tmp_path, ds_config: str, project: bool) -> dict:
-    out = tmp_path / f"proj_{Path(ds_config).stem}_{int(project)}.json"
-    cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
-           str(ROOT / "tests" / "workers" / "fwd_projection.py"), str(mcit_assets["backbone"]),
-           str(mcit_assets["shards"]), ds_config, "1" if project else "0", str(out)]
-    r = subprocess.run(cmd, cwd=ROOT, env=run_env(), capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(out.read_text())
-
-
-@pytest.mark.parametrize("ds_config", ["deepspeed_configs/zero2.json", "deepspeed_configs/zero3.json"])
-def test_fwd_prompt_update_stays_out_of_old_task_space_on_two_ranks(mcit_assets, tmp_path, ds_config):
-    res = _projection(mcit_assets, tmp_path, ds_config, project=True)
-    assert res["world"] == 2 and res["update_norm"] > 1e-3
-    assert res["leak"] < 1e-5, res
-    assert res["working_vs_master"] < 1e-6, res
-
-
-def test_without_projection_the_update_leaks(mcit_assets, tmp_path):
-    res = _projection(mcit_assets, tmp_path, "deepspeed_configs/zero2.json", project=False)
-    assert res["leak"] > 0.05, res
-
-
-# -- the pipeline ------------------------------------------------------------------------------------------
-def test_two_process_zero3_sequence_of_the_tiny_llava(mcit_assets, tmp_path):
-    cfg = mcit_config(mcit_assets, tmp_path, "z3", train={"deepspeed_config": "deepspeed_configs/zero3.json"})
-    r = launch(["--config", str(cfg)], launcher="deepspeed", nproc=2)
-    assert r.returncode == 0, r.stderr[-3000:]
-    run = tmp_path / "runs" / "z3"
-    metrics = json.loads((run / "metrics.json").read_text())
-    assert metrics["complete"] and len(metrics["acc_matrix"]) == 2 and metrics["zero_shot"] is not None
-    for tag in ("zero_shot", "after_task_0", "after_task_1"):
-        rows = [json.loads(x) for x in (run / "eval" / "answers" / tag / "0.jsonl").read_text().splitlines()]
-        assert len(rows) == 24 and {"prediction", "score", "answers"} <= set(rows[0])
-        # the saved answers rescore to the reported accuracy without the model
-        acc = 100 * sum(S.exact_match(x["prediction"], {"answer": x["answers"][0], "answers": x["answers"]})
-                        for x in rows) / len(rows)
-        row = metrics["zero_shot"] if tag == "zero_shot" else metrics["acc_matrix"][int(tag[-1])]
-        assert acc == pytest.approx(row[0])
-    events = [json.loads(x) for x in (run / "logs" / "train.jsonl").read_text().splitlines()]
-    subs = [e for e in events if e.get("event") == "subspace"]
-    assert [e["task"] for e in subs] == [-1, 0, 1]
-    for e in subs:  # the broadcast bases are bit-identical on both ranks
-        assert len(e["state_sha256_per_rank"]) == 2 and len(set(e["state_sha256_per_rank"])) == 1
-    assert subs[-1]["task_rank"] >= subs[-2]["task_rank"] > 0 and subs[0]["pretrained_rank"] > 0
-    # an evaluation-only pass of the ZeRO-3 run's exports on 1 process regenerates the same answers
-    r = launch(["--run", str(run), "--task-checkpoint", "1", "--batch-size", "5"], entry=EVALUATE)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert json.loads((run / "eval" / "evaluate" / "after_task_1.json").read_text())["acc"] == metrics["acc_matrix"][1]
-    for i in range(2):
-        assert (run / "eval" / "evaluate" / "answers" / "after_task_1" / f"{i}.jsonl").read_text() == \
-            (run / "eval" / "answers" / "after_task_1" / f"{i}.jsonl").read_text()
-
-
-def test_bad_mcit_inputs_fail_fast_with_one_line(mcit_assets, assets, tmp_path):
-    cfg = mcit_config(mcit_assets, tmp_path, "noref", data={"reference": None})
-    r = launch(["--config", str(cfg)])
-    assert r.returncode == 2 and "data.reference" in r.stderr.strip().splitlines()[-1]
-    cfg = mcit_config(mcit_assets, tmp_path, "wrongdata", data={"root": str(assets["shards"]), "tasks": ["task0"]})
-    r = launch(["--config", str(cfg)])
-    assert r.returncode == 2 and "classification samples" in r.stderr.strip().splitlines()[-1]
-    cfg = mcit_config(mcit_assets, tmp_path, "badscorer", data={"tasks": [
-        {"name": "colour", "train": str(mcit_assets["shards"] / "colour" / "train"),
-         "test": str(mcit_assets["shards"] / "colour" / "test"), "scorer": "bleu"}]})
-    r = launch(["--config", str(cfg)])
-    assert r.returncode == 2 and "unknown scorer 'bleu'" in r.stderr
-    assert not (tmp_path / "runs").exists()
-
-
 def test_every_shipped_config_validates():
     from mcit.config import load_config
 
@@ -229,7 +157,7 @@ def test_every_shipped_config_validates():
 
 
 def test_llava_15_7b_architecture_builds_without_weights():
-    from mcit.methods.base import TaskSequence
+    from mcit.data.types import TaskSequence
     from mcit.models.mllm import build_empty
     from mcit.registry import METHODS
 
@@ -253,9 +181,9 @@ def test_llava_json_converter(tmp_path):
               "conversations": [{"from": "human", "value": "<image>\nColour?"}, {"from": "gpt", "value": "red"},
                                 {"from": "human", "value": "Shape?"}, {"from": "gpt", "value": "square"}]}]
     (tmp_path / "d.json").write_text(json.dumps(items))
-    cmd = [sys.executable, "-m", "data_prep.llava_json", "--json", str(tmp_path / "d.json"), "--images",
-           str(tmp_path / "img"), "--out", str(tmp_path / "split"), "--scorer", "vqa_accuracy"]
-    r = subprocess.run(cmd, cwd=ROOT, env=run_env(), capture_output=True, text=True)
+    args = ["--json", tmp_path / "d.json", "--images", tmp_path / "img", "--out", tmp_path / "split", "--scorer",
+            "vqa_accuracy"]
+    r = convert("llava_json", *args)
     assert r.returncode == 0, r.stderr
     split = open_split(tmp_path / "split")
     assert split.manifest["kind"] == "instruction" and split.manifest["scorer"] == "vqa_accuracy"
@@ -264,8 +192,8 @@ def test_llava_json_converter(tmp_path):
     assert decoded[0][1]["answers"] == ["red"] * 10 and decoded[0][0].getpixel((0, 0)) == (200, 0, 0)
     items[0]["image"] = "missing.png"
     (tmp_path / "d.json").write_text(json.dumps(items))
-    cmd[cmd.index("--out") + 1] = str(tmp_path / "split2")
-    r = subprocess.run(cmd, cwd=ROOT, env=run_env(), capture_output=True, text=True)
+    args[args.index("--out") + 1] = tmp_path / "split2"
+    r = convert("llava_json", *args)
     assert r.returncode == 2 and "record 'q1'" in r.stderr and "image file not found" in r.stderr
     assert str(tmp_path / "d.json") in r.stderr and not (tmp_path / "split2").exists()
 
@@ -273,9 +201,9 @@ def test_llava_json_converter(tmp_path):
 def test_instructblip_backbone_trains_prompts_and_generates_per_sample(mcit_assets, tmp_path):
     from mcit.data import tiny_mcit as B
     from mcit.data.shards import iter_samples, open_split
-    from mcit.methods.base import TaskSequence
+    from mcit.data.types import TaskSequence
     from mcit.models.tiny_llava import build_instructblip, train_tokenizer
-    from mcit.models.vit import load_backbone
+    from mcit.models.base import load_backbone
     from mcit.registry import METHODS
 
     model, proc = build_instructblip(train_tokenizer(B.corpus(), image_token_attribute=False))
@@ -300,12 +228,16 @@ def test_instructblip_backbone_trains_prompts_and_generates_per_sample(mcit_asse
 @pytest.mark.parametrize("mode,layer", [("4bit", "Linear4bit"), ("8bit", "Linear8bitLt")])
 def test_quantized_frozen_backbone(mcit_assets, mode, layer):
     from mcit.data.shards import iter_samples, open_split
-    from mcit.methods.base import TaskSequence
+    from mcit.data.types import TaskSequence
     from mcit.models.mllm import MLLMBackbone
     from mcit.registry import METHODS
 
     bb = MLLMBackbone.from_path(str(mcit_assets["backbone"]), quantization=mode)
     assert type(bb.language_model.layers[0].self_attn.q_proj).__name__ == layer
+    # the language model is quantized; the vision tower, the projector and the output head are not
+    kept = [n for n, mod in bb.model.named_modules() if type(mod).__name__ == "Linear"]
+    assert kept and all(n == "lm_head" or ".vision_tower." in n or ".multi_modal_projector." in n for n in kept), kept
+    assert any(".vision_tower." in n for n in kept) and any(".multi_modal_projector." in n for n in kept)
     split = open_split(mcit_assets["shards"] / "count" / "train")
     batch = bb.make_collate(split, 0, train=True)(list(iter_samples(split, 0, 1, policy="sample"))[:4])
     cls = METHODS.get("prompt_tuning")
@@ -315,32 +247,12 @@ def test_quantized_frozen_backbone(mcit_assets, mode, layer):
     assert torch.isfinite(loss) and m.prompt.grad.abs().sum() > 0
 
 
-def test_killed_mcit_run_resumes_to_identical_answers(mcit_assets, tmp_path):
-    ref = mcit_config(mcit_assets, tmp_path, "ref", train={"checkpoint_every": 1})
-    r = launch(["--config", str(ref)], launcher="deepspeed", nproc=2)
-    assert r.returncode == 0, r.stderr[-3000:]
-    cfg = mcit_config(mcit_assets, tmp_path, "killed", train={"checkpoint_every": 1})
-    r = launch(["--config", str(cfg)], launcher="deepspeed", nproc=2, MCIT_FAULT_AT="1:2")
-    assert r.returncode != 0
-    killed = tmp_path / "runs" / "killed"
-    state = json.loads((killed / "state.json").read_text())
-    assert "reference" in state["completed"] and "0/commit" in state["completed"] and "1/train" not in state["completed"]
-    r = launch(["--config", str(cfg)], launcher="deepspeed", nproc=2)
-    assert r.returncode == 0, r.stderr[-3000:]
-    got = json.loads((killed / "metrics.json").read_text())
-    want = json.loads((tmp_path / "runs" / "ref" / "metrics.json").read_text())
-    assert got["acc_matrix"] == want["acc_matrix"] and got["zero_shot"] == want["zero_shot"]
-    for task in ("0", "1"):
-        a = (killed / "eval" / "answers" / "after_task_1" / f"{task}.jsonl").read_text()
-        assert a == (tmp_path / "runs" / "ref" / "eval" / "answers" / "after_task_1" / f"{task}.jsonl").read_text()
-
-
 def test_qwen2_vl_backbone_mrope_prompts_and_own_greedy_loop(mcit_assets, tmp_path):
     from mcit.data import tiny_mcit as B
     from mcit.data.shards import iter_samples, open_split
-    from mcit.methods.base import TaskSequence
+    from mcit.data.types import TaskSequence
     from mcit.models.tiny_llava import build_qwen2_vl, train_tokenizer
-    from mcit.models.vit import load_backbone
+    from mcit.models.base import load_backbone
     from mcit.registry import METHODS
 
     model, proc = build_qwen2_vl(train_tokenizer(B.corpus()))
@@ -372,16 +284,3 @@ def test_qwen2_vl_backbone_mrope_prompts_and_own_greedy_loop(mcit_assets, tmp_pa
     assert m.generate(collate(samples), 3) == [m.generate(collate([s]), 3)[0] for s in samples]
 
 
-def test_lora_rebuilt_between_tasks_trains_from_its_loaded_state(mcit_assets, tmp_path):
-    """The pipeline rebuilds the method after every stage and gives each task a new DeepSpeed engine.
-    On 2 ZeRO-2 ranks, a rebuilt LoRA must start each task's engine from its loaded values, not from
-    bookkeeping an earlier engine left on shared parameter objects (which corrupted the gathered fp32
-    state when the adapters were reused across builds)."""
-    out = tmp_path / "lora.json"
-    cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
-           str(ROOT / "tests" / "workers" / "lora_rebuild.py"), str(mcit_assets["backbone"]), str(mcit_assets["shards"]),
-           str(out)]
-    r = subprocess.run(cmd, cwd=ROOT, env=run_env(), capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    res = json.loads(out.read_text())
-    assert res["trained"] == [True, True, True] and res["starts_from_loaded"] == [True, True], res

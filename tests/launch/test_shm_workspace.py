@@ -1,38 +1,10 @@
-"""Process-group set-up: JIT extension builds cannot hang a run on a lock left by a killed build."""
+"""Launched runs leave no DeepSpeed shared-memory workspace behind."""
 
 from __future__ import annotations
 
-import os
-import time
 
 import pytest
 
-from mcit.distributed import prepare_extension_dir
-
-
-def test_stale_extension_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch):
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    old = tmp_path / "deepspeed_shm_comm" / "lock"
-    fresh = tmp_path / "py311_cpu" / "cpu_adam" / "lock"
-    for f in (old, fresh):
-        f.parent.mkdir(parents=True)
-        f.touch()
-    hour_ago = time.time() - 3600
-    os.utime(old, (hour_ago, hour_ago))
-    with pytest.warns(UserWarning, match="stale extension build lock"):
-        assert prepare_extension_dir(stale_after_s=900) == tmp_path
-    assert not old.exists() and fresh.exists()
-
-
-def test_extension_dir_defaults_to_this_environment(monkeypatch):
-    import sys
-
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "recorded so that the test's change is undone")
-    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
-    root = prepare_extension_dir()
-    if os.access(sys.prefix, os.W_OK):
-        assert str(root).startswith(sys.prefix)
-    assert os.environ.get("TORCH_EXTENSIONS_DIR", str(root)) == str(root)
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
@@ -49,7 +21,7 @@ def test_launched_run_leaves_no_deepspeed_shm_workspace(tmp_path, nproc):
 
     port = free_port()
     cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(port),
-           "--no_local_rank", str(ROOT / "tests" / "workers" / "shm_workspace.py"), str(tmp_path)]
+           "--no_local_rank", str(ROOT / "tests" / "launch" / "workers" / "shm_workspace.py"), str(tmp_path)]
     proc = subprocess.run(cmd, cwd=ROOT, env=run_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(nproc)]

@@ -16,7 +16,7 @@ def main(backbone: str, shards: str, out: str) -> None:
     from mcit.data.loader import train_batches
     from mcit.data.shards import open_split
     from mcit.engine import consolidated_state, setup_engine, train_step
-    from mcit.methods.base import TaskSequence
+    from mcit.data.types import TaskSequence
     from mcit.models.mllm import MLLMBackbone
     from mcit.registry import METHODS
 

@@ -1,0 +1,106 @@
+"""The one driver of a method's hooks: the frozen models, the method, and the calls in their order.
+
+The order is written once, in ``mcit.methods.base.Method``'s docstring; ``MethodHost`` is the only
+code that calls ``set_task``, ``set_phase``, ``before_task``, ``after_task`` and ``zero_shot``. The
+pipeline's stages and ``pipelines/evaluate.py`` both go through it, so an evaluation-only pass sees
+a method in exactly the state the pipeline's own eval stage did. The work between the hooks is done
+elsewhere: training steps by ``mcit.engine``, statistics by ``mcit.subspace``, predictions by
+``mcit.evaluation``.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import torch
+
+from mcit import distributed as dist
+from mcit.data.shards import Split
+from mcit.methods.base import Method
+from mcit.models.base import Backbone, load_backbone
+from mcit.preflight import Plan, ResolvedBackbone
+from mcit.registry import METHODS
+
+
+def _load(resolved: ResolvedBackbone, dtype: torch.dtype) -> Backbone:
+    model = load_backbone(resolved.kind, resolved.directory, dtype, **resolved.options)
+    if resolved.options.get("quantization", "none") == "none":  # bitsandbytes places quantized weights itself
+        model = model.to(dist.device())
+    return model
+
+
+class MethodHost:
+    """Holds the run's frozen backbone(s) (loaded once per process) and its method."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self.cfg = plan.cfg
+        self.method_cls: type[Method] = METHODS.get(self.cfg.method.name)
+        self.backbone: Backbone | None = None
+        self.auxiliary: dict[str, Backbone] = {}
+        self.method: Method | None = None
+
+    # -- building ----------------------------------------------------------------------------------
+    def load_models(self) -> None:
+        """The backbone (``train.precision``) and the method's auxiliary backbones (float32, as before
+        they were loaded through the zoo), on this rank's device."""
+        dtype = torch.bfloat16 if self.cfg.train.precision == "bf16" else torch.float32
+        self.backbone = _load(self.plan.backbone, dtype)
+        self.auxiliary = {name: _load(aux, torch.float32) for name, aux in self.plan.auxiliary.items()}
+
+    def build(self) -> Method:
+        """A freshly built method (the same initial prompts on every rank and every rebuild)."""
+        if self.backbone is None:
+            self.load_models()
+        torch.manual_seed(self.cfg.seed)
+        extra: dict[str, Any] = {"auxiliary": self.auxiliary} if self.auxiliary else {}
+        self.method = self.method_cls(self.cfg.method.params(), self.backbone, self.plan.sequence, **extra)
+        self.method.to(dist.device())
+        return self.method
+
+    def load(self, state: dict[str, torch.Tensor]) -> Method:
+        """A freshly built method holding ``state`` (after a train stage, on resume, for evaluation)."""
+        self.build()
+        self.method.load_state_dict(state)
+        self.method.to(dist.device())
+        return self.method
+
+    def collate(self, task: int, *, train: bool, split: Split | None = None) -> Callable:
+        """How raw samples of ``split`` (default task ``task``'s train or test split) become batches."""
+        split = split or (self.plan.train[task] if train else self.plan.test[task])
+        return self.backbone.make_collate(split, task, train=train, label_index=self.plan.sequence.label_to_index())
+
+    # -- the hooks -----------------------------------------------------------------------------------
+    def enter(self, task: int, phase: str | None = None) -> Method:
+        """The start of a stage of ``task`` (and of ``phase``, for train / subspace stages)."""
+        self.method.set_task(task)
+        if phase is not None:
+            self.method.set_phase(phase)
+        return self.method
+
+    def enter_eval(self, task: int) -> Method:
+        """The start of an evaluation after ``task``: the method in its last phase, as after training."""
+        return self.enter(task, self.method_cls.phases[-1])
+
+    def train(self, task: int, phase: str, run_steps: Callable[[Method], dict[str, torch.Tensor]]) -> None:
+        """One train stage: ``run_steps(method)`` (the engine) returns the trained state, which a fresh
+        method loads before ``after_task``. A method with nothing to train gets its hooks only."""
+        self.enter(task, phase)
+        self.method.before_task(task)
+        if self.method.trainable_parameters():
+            self.load(run_steps(self.method))
+            self.enter(task, phase)
+        self.method.after_task(task)
+
+    def subspace(self, task: int, phase: str, stream: Callable[[Method], dict[str, Any]]) -> dict[str, Any] | None:
+        """One subspace stage: ``stream(method)`` (``mcit.subspace.stream_statistics``) only for a method
+        that declares one; returns what it reports."""
+        self.enter(task, phase)
+        return stream(self.method) if self.method.has_subspace_stage else None
+
+    @contextmanager
+    def zero_shot(self) -> Iterator[Method]:
+        """The method in its zero-shot state (the forward-transfer baseline)."""
+        with self.method.zero_shot():
+            yield self.method

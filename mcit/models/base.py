@@ -1,0 +1,278 @@
+"""What every backbone shares, and the image-encoder machinery prompt methods run on.
+
+A backbone is a frozen transformers model behind a small wrapper, registered by kind
+(``@BACKBONES.register("vit")``). The registry entry is the wrapper class itself; the pipeline asks it,
+never a kind name, what it needs:
+
+* ``task_type``: ``"classification"`` (images -> class indices; CIL) or ``"generation"`` (instruction
+  samples -> answers; MCIT): which shards it takes and which evaluation runs;
+* ``check(path)``: the cheap pre-flight check of a checkpoint directory (no weights loaded);
+* ``from_path(path, dtype, **options)`` with ``options`` the ``backbone:`` config keys named in
+  ``load_options``;
+* ``make_collate(split, task, train=..., label_index=...)``: how raw samples become a ``Batch``.
+
+Adding a backbone is one new file in ``mcit/models/`` (docs/architecture.md, "Adding a backbone").
+
+``PromptableImageEncoder`` is the shared base of the ViT and CLIP image sides: we never copy a model,
+we call its own submodules (embeddings, blocks, final norm) in order, which lets a method put prompt
+tokens between them while the weights stay the checkpoint's. Attention in the blocks goes through
+transformers' AttentionInterface (``prompted_attention``), so prefix tuning and gated scores need no
+copied attention module.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABCMeta, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, ClassVar
+
+import torch
+from torch import nn
+
+from mcit.registry import BACKBONES
+
+
+class BackboneError(ValueError):
+    """A backbone that cannot be loaded; one line naming the path."""
+
+
+def check_hf_dir(path: str | Path) -> dict:
+    """Cheap pre-flight check (no weights loaded): the directory exists and holds an HF config; returns it."""
+    p = Path(path)
+    if not p.is_dir():
+        raise BackboneError(f"backbone path not found: {p}")
+    cfg = p / "config.json"
+    if not cfg.is_file():
+        raise BackboneError(f"backbone path {p} has no config.json (not a transformers checkpoint directory)")
+    try:
+        return json.loads(cfg.read_text())
+    except json.JSONDecodeError as e:
+        raise BackboneError(f"backbone config {cfg} is not valid JSON: {e}") from None
+
+
+def read_preprocessor(path: str | Path) -> dict[str, Any]:
+    """The checkpoint's ``preprocessor_config.json`` (image mean / std, resize filter), or {}."""
+    pp = Path(path) / "preprocessor_config.json"
+    return json.loads(pp.read_text()) if pp.is_file() else {}
+
+
+class Backbone(nn.Module, metaclass=ABCMeta):
+    """A frozen pre-trained model as the pipeline sees it (see the module docstring); a subclass that
+    leaves ``from_path`` or ``make_collate`` out cannot be instantiated."""
+
+    task_type: ClassVar[str] = "classification"
+    # ``backbone:`` config keys (besides path) that ``from_path`` takes as keyword arguments
+    load_options: ClassVar[tuple[str, ...]] = ()
+    # whether ``path`` may also be a model-hub id (machines with network): no directory to check or hash
+    hub_ids: ClassVar[bool] = False
+
+    @classmethod
+    def check(cls, path: str | Path) -> None:
+        """Pre-flight check of a checkpoint directory; raise a one-line BackboneError naming the path."""
+        check_hf_dir(path)
+
+    @classmethod
+    @abstractmethod
+    def from_path(cls, path: str | Path, dtype: torch.dtype = torch.float32, **options: Any) -> "Backbone":
+        """The frozen model loaded from ``path`` (a transformers directory) with its processing settings."""
+
+    @abstractmethod
+    def make_collate(self, split: Any, task: int, *, train: bool, label_index: dict[int, int]) -> Callable:
+        """How raw samples of ``split`` become a Batch."""
+
+    def train(self, mode: bool = True) -> "Backbone":  # frozen: always eval (no dropout drift)
+        return super().train(False)
+
+
+def backbone_class(kind: str) -> type[Backbone]:
+    """The registered backbone ``kind``."""
+    return BACKBONES.get(kind)
+
+
+def load_backbone(kind: str, path: str | Path, dtype: torch.dtype = torch.float32, **options: Any) -> Backbone:
+    """The registered backbone ``kind`` from ``path``; ``options`` are its ``load_options``."""
+    return backbone_class(kind).from_path(path, dtype=dtype, **options)
+
+
+# --------------------------------------------------------------------------------------------------
+# Prompted attention
+
+ATTENTION_NAME = "mcit_prompted"
+
+
+@dataclass
+class LayerPrompt:
+    """What a method puts into one block's attention (any field may be None).
+
+    ``key`` / ``value``: prefixes (B, H, P, head_dim) placed before the block's own keys and values
+    (prefix tuning, as in DualPrompt's and CODA-Prompt's official code: the prefixes live in the
+    per-head key/value space, after the projections). ``score_fn(scores, n_prefix)`` rewrites the
+    pre-softmax scores (B, H, N, P + N) -- NoRGa's gate on the prefix columns. ``value_residual``
+    (B, H, 1, head_dim) is added to every token's value (STAR-Prompt's residual prompt: since each
+    attention row sums to 1, this adds W_o p to the block's attention output). ``capture(query,
+    probs)`` sees the per-head queries (B, H, N, head_dim) and attention probabilities -- VPT-NSP²'s
+    statistics.
+    """
+
+    key: torch.Tensor | None = None
+    value: torch.Tensor | None = None
+    value_residual: torch.Tensor | None = None
+    score_fn: Callable[[torch.Tensor, int], torch.Tensor] | None = None
+    capture: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+
+
+def prompted_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                       mcit_prompt: LayerPrompt | None = None, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+    """The attention function the frozen encoders run with (registered in transformers' AttentionInterface).
+
+    Without a LayerPrompt it is transformers' own SDPA path, so un-prompted blocks compute exactly
+    what the checkpoint computes. With one it is eager attention with the prompt's prefixes, score
+    rewrite and capture, which keeps the block (norms, residuals, MLP) transformers' own.
+    """
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if mcit_prompt is None:
+        return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, scaling=scaling,
+                                               dropout=dropout, **kwargs)
+    n_prefix = 0
+    if mcit_prompt.value_residual is not None:
+        value = value + mcit_prompt.value_residual.to(value.dtype)
+    if mcit_prompt.key is not None:
+        n_prefix = mcit_prompt.key.shape[2]
+        key = torch.cat([mcit_prompt.key.to(key.dtype), key], dim=2)
+        value = torch.cat([mcit_prompt.value.to(value.dtype), value], dim=2)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    scores = torch.matmul(query, key.transpose(2, 3)) * scale
+    if attention_mask is not None:
+        scores = scores + attention_mask
+    if mcit_prompt.score_fn is not None:
+        scores = mcit_prompt.score_fn(scores, n_prefix)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    if mcit_prompt.capture is not None:
+        mcit_prompt.capture(query, probs)
+    out = torch.matmul(probs, value).transpose(1, 2).contiguous()
+    return out, probs
+
+
+# --------------------------------------------------------------------------------------------------
+# Image encoders
+
+class PromptableImageEncoder(Backbone):
+    """What the ViT and CLIP backbones share: loading, freezing, geometry, prompted attention,
+    preprocessing, the per-block encode loop with prompts and the frozen [CLS] query.
+
+    A subclass provides ``load_model(path, dtype) -> (model, extras)`` (``extras``: further
+    constructor arguments, e.g. CLIP's tokenizer), ``vision_config(model)``, ``layers``, ``embed``,
+    ``final_norm`` and ``dtype``, and may change the defaults ``default_mean`` / ``default_std`` /
+    ``resample`` (used where the checkpoint's preprocessor config does not say).
+    """
+
+    task_type = "classification"
+    resample: int = 2  # PIL.Image.BILINEAR
+    default_mean: ClassVar[tuple[float, ...]] = (0.5, 0.5, 0.5)
+    default_std: ClassVar[tuple[float, ...]] = (0.5, 0.5, 0.5)
+
+    def __init__(self, model: nn.Module, image_mean: list[float], image_std: list[float]) -> None:
+        super().__init__()
+        self.model = model
+        self.model.requires_grad_(False)
+        self.model.eval()
+        vc = self.vision_config(model)
+        self.image_size = int(vc.image_size)
+        self.hidden_size = int(vc.hidden_size)
+        self.num_layers = int(vc.num_hidden_layers)
+        self.num_heads = int(vc.num_attention_heads)
+        self.head_dim = self.hidden_size // self.num_heads
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(ATTENTION_NAME, prompted_attention)
+        # Attention that gets no LayerPrompt (and CLIP's whole text side) runs transformers' SDPA path.
+        self.model.set_attn_implementation(ATTENTION_NAME)
+        self.register_buffer("mean", torch.tensor(image_mean).view(1, -1, 1, 1), persistent=False)
+        self.register_buffer("std", torch.tensor(image_std).view(1, -1, 1, 1), persistent=False)
+
+    # -- what a subclass provides ------------------------------------------------------------------
+    @staticmethod
+    def vision_config(model: nn.Module) -> Any:
+        """The config holding the image encoder's geometry (image_size, hidden_size, layers, heads)."""
+        return model.config
+
+    @classmethod
+    @abstractmethod
+    def load_model(cls, path: str | Path, dtype: torch.dtype) -> tuple[nn.Module, dict[str, Any]]:
+        """The transformers model at ``path`` and further constructor arguments (e.g. CLIP's tokenizer)."""
+
+    @property
+    @abstractmethod
+    def layers(self) -> nn.ModuleList:
+        """The encoder blocks, in order."""
+
+    @abstractmethod
+    def embed(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """[CLS] + patch tokens with position embeddings (B, 1 + N, D), ready for the first block."""
+
+    @abstractmethod
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        """The encoder's final normalisation, on every token."""
+
+    # -- shared ------------------------------------------------------------------------------------
+    @classmethod
+    def from_path(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> "PromptableImageEncoder":
+        cls.check(path)
+        try:
+            model, extras = cls.load_model(path, dtype)
+        except Exception as e:  # noqa: BLE001 - surface as one line naming the path
+            name = cls.__name__.removesuffix("Backbone") or cls.__name__
+            raise BackboneError(f"cannot load {name} backbone from {path}: {str(e).splitlines()[0]}") from None
+        proc = read_preprocessor(path)
+        bb = cls(model, image_mean=proc.get("image_mean", list(cls.default_mean)),
+                 image_std=proc.get("image_std", list(cls.default_std)), **extras)
+        bb.resample = int(proc.get("resample", cls.resample))  # the checkpoint's resize filter (PIL code)
+        return bb
+
+    def preprocess(self, images: list) -> torch.Tensor:
+        """PIL images -> normalised pixel values (RGB, resized to the model's size)."""
+        import numpy as np
+
+        arrs = []
+        for im in images:
+            im = im.convert("RGB")
+            if im.size != (self.image_size, self.image_size):
+                im = im.resize((self.image_size, self.image_size), self.resample)
+            arrs.append(np.asarray(im, dtype=np.float32) / 255.0)
+        x = torch.from_numpy(np.stack(arrs)).permute(0, 3, 1, 2)
+        return ((x - self.mean) / self.std).contiguous()
+
+    def make_collate(self, split: Any, task: int, *, train: bool, label_index: dict[int, int]) -> Callable:
+        """How raw samples of ``split`` become a Batch (classification: images and class indices)."""
+        from mcit.data.loader import classification_collate
+
+        return classification_collate(self.preprocess, label_index, task, split)
+
+    def encode(self, tokens: torch.Tensor, prompts: dict[int, LayerPrompt] | None = None,
+               appended: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+        """Run every block and the final norm (on every token) over a token sequence (B, T, D).
+
+        ``prompts[i]``: block i's LayerPrompt (prefixes, value residual, score rewrite, capture).
+        ``appended[i]`` (B, P, D): tokens appended to block i's input and dropped from its output
+        (VPT-deep as in VPT-NSP²'s official code: each block gets fresh prompt tokens that only act
+        through attention).
+        """
+        h = tokens
+        for i, layer in enumerate(self.layers):
+            lp = prompts.get(i) if prompts else None
+            extra = appended.get(i) if appended else None
+            if extra is not None:
+                n = h.shape[1]
+                h = layer(torch.cat([h, extra.to(h.dtype)], dim=1), None, mcit_prompt=lp)[:, :n]
+            else:
+                h = layer(h, None, mcit_prompt=lp)
+        return self.final_norm(h)
+
+    @torch.no_grad()
+    def cls_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """The frozen pre-trained [CLS] feature (final norm), the usual prompt-selection query."""
+        return self.encode(self.embed(pixel_values))[:, 0]

@@ -1,0 +1,164 @@
+"""Everything a run reads, checked before any process group, model or run-directory file exists.
+
+``preflight(cfg)`` returns a ``Plan``: the opened splits, the task sequence, the scorers, and every
+frozen model the run loads (the backbone and a method's auxiliary backbones), each resolved through
+the backbone zoo with its sha256. A problem is one line naming the file or key (ConfigError,
+DataError, BackboneError, RunDirError).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mcit.config import ConfigError, RunConfig
+from mcit.data.shards import Split, open_split
+from mcit.data.types import TaskSequence
+from mcit.models.base import BackboneError, backbone_class
+from mcit.registry import METHODS
+from mcit.rundir import RunDir, RunDirError
+
+
+@dataclass
+class ResolvedBackbone:
+    """A frozen model as the run will load it."""
+
+    kind: str
+    directory: str  # what ``from_path`` loads: a converted zoo checkpoint, the HF directory, or a hub id
+    record: dict[str, Any]  # tag, format, source, sha256, loaded_from (mcit.models.zoo.resolve)
+    options: dict[str, Any] = field(default_factory=dict)  # the backbone class's load_options
+
+
+@dataclass
+class Plan:
+    """Everything checked before any process group or model exists."""
+
+    cfg: RunConfig
+    run: RunDir
+    names: list[str]
+    train: list[Split]
+    test: list[Split]
+    sequence: TaskSequence
+    backbone: ResolvedBackbone
+    auxiliary: dict[str, ResolvedBackbone] = field(default_factory=dict)  # the method's, by name
+    scorers: list[str] | None = None  # instruction tasks: the scorer of each task
+    reference: Split | None = None  # data.reference, when the method needs it
+
+    @property
+    def run_dir(self) -> Path:
+        return self.run.root
+
+    def backbone_records(self) -> dict[str, Any]:
+        """What backbone.json holds: the backbone's record, plus ``auxiliary`` records by name."""
+        out = dict(self.backbone.record)
+        if self.auxiliary:
+            out["auxiliary"] = {name: aux.record for name, aux in self.auxiliary.items()}
+        return out
+
+
+def resolve_backbone(kind: str, tag: str, path: str, cache_dir: str, tokenizer: str | None = None,
+                     options: dict[str, Any] | None = None) -> ResolvedBackbone:
+    """Resolve a checkpoint through the zoo (convert once, hash) and run the kind's pre-flight check."""
+    cls = backbone_class(kind)
+    if cls.hub_ids and not Path(path).exists():  # a hub id (machines with network): nothing to hash
+        record = {"tag": tag, "format": "hub", "source": path, "sha256": None, "loaded_from": path}
+        directory = path
+    else:
+        from mcit.models.zoo import resolve
+
+        resolved, record = resolve(kind, tag, path, cache_dir, tokenizer)
+        directory = str(resolved)
+    cls.check(directory)
+    return ResolvedBackbone(kind, directory, record, dict(options or {}))
+
+
+def _resolve_auxiliary(cfg: RunConfig, method_cls: Any) -> dict[str, ResolvedBackbone]:
+    out = {}
+    for name, spec in method_cls.auxiliary_backbones(cfg.method.params()).items():
+        try:
+            out[name] = resolve_backbone(spec.kind, spec.tag, spec.path, cfg.backbone.cache_dir, spec.tokenizer)
+        except BackboneError as e:
+            raise ConfigError(f"{spec.key or 'method.' + name}: {e}") from None
+    return out
+
+
+def preflight(cfg: RunConfig, base: Path | None = None, *, run_dir: Path | None = None) -> Plan:
+    """Validate every input the run will read: DeepSpeed JSON, backbones, every shard, the run directory.
+
+    With ``run_dir`` (evaluation of an existing run) the run directory is taken as given, not checked.
+    """
+    from mcit.engine import build_ds_config, resolve_ds_config_path
+
+    base = base or Path.cwd()
+    ds_path = resolve_ds_config_path(cfg.train.deepspeed_config)
+    if not ds_path.is_file():
+        raise ConfigError(f"train.deepspeed_config: file not found: {cfg.train.deepspeed_config}")
+    try:
+        build_ds_config(cfg, 1)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"train.deepspeed_config: {ds_path} is not valid JSON ({e})") from None
+    bb = cfg.backbone
+    generative = bb.task_type == "generation"
+    options = {k: getattr(bb, k) for k in backbone_class(bb.kind).load_options}
+    backbone = resolve_backbone(bb.kind, bb.tag, bb.path, bb.cache_dir, bb.tokenizer, options)
+    specs = cfg.data.resolved_tasks(base)
+    train = [open_split(s.train, cfg.data.verify) for s in specs]
+    test = [open_split(s.test, cfg.data.verify) for s in specs]
+    for s, split in [(s, sp) for s, tr, te in zip(specs, train, test) for sp in (tr, te)]:
+        is_instr = split.manifest.get("kind") == "instruction"
+        if is_instr != generative:
+            raise ConfigError(f"data.tasks: task {s.name!r}: {split.directory} holds "
+                              f"{'instruction' if is_instr else 'classification'} samples, but backbone.kind "
+                              f"{bb.kind} needs {'instruction' if generative else 'classification'} data")
+    scorers = None
+    if generative:
+        from mcit import scorers as S
+
+        scorers = [s.scorer or te.manifest.get("scorer") or "exact_match" for s, te in zip(specs, test)]
+        for s, name in zip(specs, scorers):
+            if name not in S.SCORERS:
+                raise ConfigError(f"data.tasks: task {s.name!r}: unknown scorer {name!r}; known: {', '.join(sorted(S.SCORERS))}")
+    method_cls = METHODS.get(cfg.method.name)
+    try:
+        method_cls.check_inputs(cfg.method.params())
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    auxiliary = _resolve_auxiliary(cfg, method_cls)
+    reference = None
+    if method_cls.reference_required(cfg.method.params()):
+        if cfg.data.reference is None:
+            raise ConfigError(f"data.reference: method {cfg.method.name} needs a split of the backbone's pre-training "
+                              f"data for its pre-trained subspace (set data.reference)")
+        ref = Path(cfg.data.reference)
+        reference = open_split(ref if ref.is_absolute() else (base / ref).resolve(), cfg.data.verify)
+    for s, tr, te in zip(specs, train, test):
+        extra = set(te.label_space) - set(tr.label_space)
+        if extra:
+            raise ConfigError(f"data.tasks: task {s.name!r}: test labels {sorted(extra)} do not occur in its train split")
+    names = [s.name for s in specs]
+    class_names = {int(k): v for tr in train for k, v in (tr.manifest.get("class_names") or {}).items()}
+    sequence = TaskSequence.from_label_spaces(names, [tr.label_space for tr in train], class_names)
+    run = RunDir(run_dir if run_dir is not None else cfg.resolved_run_dir())
+    if run_dir is None:  # a training run: its directory must be new or hold this exact config
+        run.check_belongs_to(cfg)
+    plan = Plan(cfg, run, names, train, test, sequence, backbone, auxiliary, scorers, reference)
+    check_same_backbones(plan)
+    return plan
+
+
+def check_same_backbones(plan: Plan) -> None:
+    """A run directory continues only on the checkpoints it started with (backbone.json's sha256s)."""
+    path = plan.run.backbone
+    if not path.is_file():
+        return
+    started = json.loads(path.read_text())
+    pairs = [("backbone", plan.cfg.backbone.path, started, plan.backbone.record)]
+    specs = METHODS.get(plan.cfg.method.name).auxiliary_backbones(plan.cfg.method.params())
+    pairs += [(specs[name].key or f"method.{name}", aux.record.get("source"),
+               (started.get("auxiliary") or {}).get(name) or {}, aux.record) for name, aux in plan.auxiliary.items()]
+    for key, source, old, new in pairs:
+        if old.get("sha256") and new.get("sha256") and old["sha256"] != new["sha256"]:
+            raise RunDirError(f"{key} checkpoint {source} is not the one run {plan.run.root} started with (sha256 "
+                              f"{old['sha256']} in {path}, now {new['sha256']})")

@@ -1,0 +1,168 @@
+"""The run directory's layout: the one object that knows where every file of a run lives.
+
+::
+
+    <run_dir>/
+      config.yaml                        the resolved config (a re-run must match it)
+      backbone.json                      tag, format, source, sha256 of the backbone (and auxiliary ones)
+      state.json                         the commit point: completed stages, current method state
+      metrics.json  report.md  acc_matrix.png
+      PREEMPT                            a stop request (written by the Slurm scripts' trap)
+      logs/train.jsonl  logs/tb/         the training log (rank 0), TensorBoard
+      eval/zero_shot.json                accuracy-matrix rows: the zero-shot row ...
+      eval/after_task_<t>.json           ... and the row after each task
+      eval/answers/<row>/<task>.jsonl    generated answers (instruction tasks)
+      eval/evaluate/                     evaluation-only passes (pipelines/evaluate.py), same layout
+      checkpoints/current.safetensors    the method state the last committed stage left
+      checkpoints/task_<t>/method.safetensors + method.json   the export after task t
+      checkpoints/task_<t>/steps[.<phase>]/                    DeepSpeed step checkpoints of a task
+
+The Slurm job scripts (pipelines/slurm/common.sh) write ``PREEMPT`` and put the launcher's logs in ``logs/``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+ZERO_SHOT = "zero_shot"
+
+
+class RunDirError(ValueError):
+    """The run directory belongs to a different run; one line."""
+
+
+def row_tag(trained: int | None) -> str:
+    """The name of an accuracy-matrix row: after task ``trained``, or the zero-shot row (None)."""
+    return ZERO_SHOT if trained is None else f"after_task_{trained}"
+
+
+class RunDir:
+    """Paths of one run directory (nothing is created until something is written)."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+
+    def __repr__(self) -> str:
+        return f"RunDir({str(self.root)!r})"
+
+    # -- files at the top ----------------------------------------------------------------------------
+    @property
+    def config(self) -> Path:
+        return self.root / "config.yaml"
+
+    @property
+    def backbone(self) -> Path:
+        return self.root / "backbone.json"
+
+    @property
+    def state(self) -> Path:
+        return self.root / "state.json"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.json"
+
+    @property
+    def report(self) -> Path:
+        return self.root / "report.md"
+
+    @property
+    def heatmap(self) -> Path:
+        return self.root / "acc_matrix.png"
+
+    @property
+    def preempt_request(self) -> Path:
+        return self.root / "PREEMPT"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def train_log(self) -> Path:
+        return self.logs / "train.jsonl"
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.logs / "tb"
+
+    # -- evaluation rows -------------------------------------------------------------------------------
+    def eval_dir(self, evaluate_only: bool = False) -> Path:
+        """Where rows go: the run's own ``eval/``, or ``eval/evaluate/`` for evaluation-only passes."""
+        return self.root / "eval" / "evaluate" if evaluate_only else self.root / "eval"
+
+    def row(self, trained: int | None, evaluate_only: bool = False) -> Path:
+        return self.eval_dir(evaluate_only) / f"{row_tag(trained)}.json"
+
+    def answers(self, trained: int | None, evaluate_only: bool = False) -> Path:
+        """The directory of one row's generated answers (``<task index>.jsonl`` inside)."""
+        return self.eval_dir(evaluate_only) / "answers" / row_tag(trained)
+
+    def rows_done(self, num_tasks: int) -> int:
+        """How many consecutive after-task rows exist, from task 0."""
+        done = 0
+        while done < num_tasks and self.row(done).is_file():
+            done += 1
+        return done
+
+    # -- checkpoints -----------------------------------------------------------------------------------
+    CURRENT_STATE = "checkpoints/current.safetensors"  # relative: state.json records it by this name
+
+    @property
+    def current_state(self) -> Path:
+        return self.root / self.CURRENT_STATE
+
+    def task_dir(self, task: int) -> Path:
+        return self.root / "checkpoints" / f"task_{task}"
+
+    def task_state(self, task: int) -> Path:
+        return self.task_dir(task) / "method.safetensors"
+
+    def task_info(self, task: int) -> Path:
+        return self.task_dir(task) / "method.json"
+
+    def step_dir(self, task: int, phase: str = "") -> Path:
+        return self.task_dir(task) / ("steps" + (f".{phase}" if phase else ""))
+
+    def step_dirs(self, task: int) -> list[Path]:
+        return sorted(self.task_dir(task).glob("steps*"))
+
+    def exported_tasks(self) -> list[int]:
+        """Tasks with an exported method state, in order."""
+        return sorted(int(p.parent.name.split("_", 1)[1]) for p in self.root.glob("checkpoints/task_*/method.safetensors"))
+
+    # -- status ----------------------------------------------------------------------------------------
+    def read_state(self) -> dict[str, Any] | None:
+        return json.loads(self.state.read_text()) if self.state.is_file() else None
+
+    def finished_metrics(self) -> dict[str, Any] | None:
+        """metrics.json of a finished run, else None."""
+        st = self.read_state()
+        if st and st.get("finished") and self.metrics.is_file():
+            return json.loads(self.metrics.read_text())
+        return None
+
+    def check_belongs_to(self, cfg: Any) -> None:
+        """Refuse to mix two runs: an existing run directory must hold this exact resolved config
+        (validated again, so keys added to the schema since it was written take their defaults)."""
+        if self.config.is_file() and not self._same_config(cfg):
+            raise RunDirError(
+                f"run directory {self.root} holds a run with a different config ({self.config}); "
+                f"use another run_dir (e.g. run_dir={self.root}_2) or restore the original config")
+        # logs/ alone may be there already: the Slurm job scripts put the launcher's per-rank logs in it
+        if self.root.exists() and not self.config.is_file() and any(p.name != "logs" for p in self.root.iterdir()):
+            raise RunDirError(f"run directory {self.root} exists, is not empty and has no config.yaml; "
+                              f"refusing to write into it")
+
+    def _same_config(self, cfg: Any) -> bool:
+        import yaml
+
+        from mcit.config import ConfigError, dump_config, validate_config
+
+        try:
+            old = validate_config(yaml.safe_load(self.config.read_text()) or {}, str(self.config))
+        except (ConfigError, yaml.YAMLError):
+            return False
+        return dump_config(old) == dump_config(cfg)

@@ -1,0 +1,57 @@
+"""Converted datasets train through the pipeline (one launched process each)."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import launch, mcit_config, tiny_config
+from raw_formats import cifar_raw, convert, convert_instruction_sets, cub_raw, domainnet_raw, imagenet_r_raw
+
+
+def _train(assets, tmp_path, root, name, tasks):
+    cfg = tiny_config(assets, tmp_path, name, data={"root": str(root), "tasks": tasks},
+                      train={"epochs": 1, "deepspeed_config": "deepspeed_configs/cpu.json"})
+    res = launch(["--config", str(cfg)], launcher="python")
+    assert res.returncode == 0, res.stderr[-3000:]
+    m = json.loads((tmp_path / "runs" / name / "metrics.json").read_text())
+    assert m["complete"] and len(m["acc_matrix"]) == len(tasks)
+    return m
+
+
+def test_converted_cifar_task_trains_through_the_pipeline(assets, tmp_path):
+    raw = cifar_raw(tmp_path / "raw", n_train=8, n_test=4)
+    r = convert("cifar100", "--raw", raw, "--out", tmp_path / "cifar", "--classes-per-task", 2, "--seed", 0,
+                "--shard-size", 4)
+    assert r.returncode == 0, r.stderr
+    m = _train(assets, tmp_path, tmp_path / "cifar", "cifar", ["task0", "task1"])
+    assert m["test_counts"] == [8, 8]
+
+
+def test_converted_image_folder_benchmarks_train(assets, tmp_path):
+    raw = tmp_path / "raw"
+    imagenet_r_raw(raw / "inr")
+    domainnet_raw(raw / "dn")
+    cub_raw(raw / "cub")
+    for r in (convert("imagenet_r", "--raw", raw / "inr", "--out", tmp_path / "inr", "--classes-per-task", 3),
+              convert("domainnet", "--raw", raw / "dn", "--train-list", raw / "dn" / "sdomain_train.txt", "--test-list",
+                      raw / "dn" / "sdomain_test.txt", "--out", tmp_path / "dn", "--classes-per-task", 2),
+              convert("cub200", "--raw", raw / "cub", "--out", tmp_path / "cub", "--classes-per-task", 2)):
+        assert r.returncode == 0, r.stderr
+    for name in ("inr", "dn", "cub"):
+        _train(assets, tmp_path, tmp_path / name, name, ["task0"])
+
+
+def test_converted_instruction_sets_train(mcit_assets, tmp_path):
+    out = convert_instruction_sets(tmp_path)
+    coin, ucit = out["coin"], out["ucit"]
+    cfg = mcit_config(mcit_assets, tmp_path, "real_formats", data={"tasks": [
+        {"name": "textvqa", "train": str(coin / "textvqa" / "train"), "test": str(coin / "textvqa" / "test")},
+        {"name": "grounding", "train": str(coin / "grounding" / "train"), "test": str(coin / "grounding" / "test")},
+        {"name": "arxivqa", "train": str(ucit / "arxivqa" / "train"), "test": str(ucit / "arxivqa" / "test")}],
+        "reference": str(mcit_assets["shards"] / "base" / "test")},
+        train={"epochs": 1, "batch_size": 4, "lr": 0.05, "checkpoint_every": 2, "log_every": 2, "progress": False,
+               "deepspeed_config": "deepspeed_configs/cpu.json"})
+    res = launch(["--config", str(cfg)], launcher="python")
+    assert res.returncode == 0, res.stderr[-3000:]
+    m = json.loads((tmp_path / "runs" / "real_formats" / "metrics.json").read_text())
+    assert m["complete"] and m["test_counts"] == [3, 3, 2]

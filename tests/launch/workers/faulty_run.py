@@ -1,0 +1,44 @@
+#!/usr/bin/env python
+"""The task-sequence entry point with a fault injected at an exact optimizer step (tests only).
+
+    MCIT_TEST_FAULT=task:step[:rank[:SIGNAL]] python tests/launch/workers/faulty_run.py --config C ...
+
+Right after optimizer step ``step`` of task ``task``, sends SIGNAL (default KILL) to every rank (after a
+barrier, so all of them reach the step) or only to ``rank`` (``*`` = every rank). The fault goes in through
+``mcit.engine.on_optimizer_step``; the production entry point reads no such variable.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT))
+
+
+def install(spec: str) -> None:
+    parts = spec.split(":")
+    task, step = int(parts[0]), int(parts[1])
+    who = int(parts[2]) if len(parts) > 2 and parts[2] != "*" else None
+    sig = signal.Signals[f"SIG{parts[3]}"] if len(parts) > 3 else signal.SIGKILL
+
+    from mcit import distributed as dist
+    from mcit.engine import on_optimizer_step
+
+    @on_optimizer_step
+    def fault(t: int, gstep: int) -> None:
+        if (t, gstep) != (task, step) or who not in (None, dist.rank()):
+            return
+        if who is None:
+            dist.barrier()
+        os.kill(os.getpid(), sig)
+
+
+if __name__ == "__main__":
+    install(os.environ["MCIT_TEST_FAULT"])
+    from pipelines.run_task_sequence import main
+
+    raise SystemExit(main())

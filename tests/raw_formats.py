@@ -1,0 +1,184 @@
+"""Raw datasets in their distributed formats, built small from scratch, and the converters run on them.
+
+Shared by tests/unit/test_data_prep.py (conversion, verification, errors) and
+tests/launch/test_data_prep_pipeline.py (converted data trains through the pipeline).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import io
+import json
+import pickle
+import subprocess
+
+import numpy as np
+
+N_CLASSES = 6
+
+
+def convert(module: str, *args: object) -> subprocess.CompletedProcess:
+    """``python -m data_prep.<module> ARGS --no-progress``, run in this process through the converter's own
+    ``main(argv)``; its exit status and what it printed come back as a CompletedProcess."""
+    mod = importlib.import_module(f"data_prep.{module}")
+    argv = [*map(str, args), "--no-progress"]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = mod.main(argv)
+        except SystemExit as e:  # argparse's usage errors
+            rc = e.code if isinstance(e.code, int) else 1
+    return subprocess.CompletedProcess(["python", "-m", f"data_prep.{module}", *argv], rc, out.getvalue(), err.getvalue())
+
+
+def cifar_raw(root, n_train=5, n_test=2, bad_label=False, duplicate=False):
+    """A cifar-100-python directory in the real pickle format (bytes keys, uint8 rows of 3072)."""
+    root.mkdir(parents=True, exist_ok=True)
+    rng = np.random.RandomState(0)
+    with open(root / "meta", "wb") as f:
+        pickle.dump({b"fine_label_names": [f"class{c}".encode() for c in range(N_CLASSES)],
+                     b"coarse_label_names": [b"all"]}, f)
+    for split, n in (("train", n_train), ("test", n_test)):
+        labels = [c for c in range(N_CLASSES) for _ in range(n)]
+        data = np.stack([np.tile(np.array([40 * c, 255 - 40 * c, 128], dtype=np.uint8).repeat(1024), 1)
+                         + rng.randint(0, 20, 3072).astype(np.uint8) for c in labels])
+        if bad_label and split == "train":
+            labels[3] = 250
+        names = [f"{split}_{i}.png".encode() for i in range(len(labels))]
+        if duplicate and split == "train":
+            names[4] = names[2]
+        with open(root / split, "wb") as f:
+            pickle.dump({b"data": data, b"fine_labels": labels, b"coarse_labels": [0] * len(labels),
+                         b"filenames": names, b"batch_label": split.encode()}, f)
+    return root
+
+
+def image(path, c, fmt="JPEG"):
+    from PIL import Image
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rng = np.random.RandomState(abs(hash(path.name)) % 2**31)
+    arr = np.clip(np.array([40 * c, 255 - 40 * c, 128]) + rng.randint(-20, 20, (24, 20, 3)), 0, 255)
+    Image.fromarray(arr.astype(np.uint8)).save(path, format=fmt)
+
+
+def imagenet_r_raw(root, per_class=5):
+    wnids = [f"n0{1000 + 7 * c}" for c in range(N_CLASSES)]
+    for c, w in enumerate(wnids):
+        for i in range(per_class):
+            image(root / "imagenet-r" / w / f"art_{i}.{'png' if i == 0 else 'jpg'}", c, "PNG" if i == 0 else "JPEG")
+    (root / "classnames.txt").write_text("".join(f"{w} thing_{c}\n" for c, w in enumerate(wnids)))
+    return wnids
+
+
+def domainnet_raw(root, per_class=4):
+    domains, classes = ["clipart", "real"], [f"cls_{c}" for c in range(N_CLASSES)]
+    lines = {"train": [], "test": []}
+    for c, name in enumerate(classes):
+        for d in domains:
+            for i in range(per_class):
+                rel = f"{d}/{name}/{d}_{c:03d}_{i:06d}.jpg"
+                image(root / rel, c)
+                lines["test" if i == 0 else "train"].append(f"{rel} {c}")
+    for s in lines:
+        (root / f"sdomain_{s}.txt").write_text("\n".join(lines[s]) + "\n")
+    return lines
+
+
+def cub_raw(root, per_class=4):
+    cub = root / "CUB_200_2011"
+    images, labels, split = [], [], []
+    n = 0
+    for c in range(N_CLASSES):
+        for i in range(per_class):
+            n += 1
+            rel = f"{c + 1:03d}.Bird_{c}/Bird_{c}_{i:04d}.jpg"
+            image(cub / "images" / rel, c)
+            images.append(f"{n} {rel}")
+            labels.append(f"{n} {c + 1}")
+            split.append(f"{n} {0 if i == 0 else 1}")
+    (cub / "images.txt").write_text("\n".join(images) + "\n")
+    (cub / "image_class_labels.txt").write_text("\n".join(labels) + "\n")
+    (cub / "train_test_split.txt").write_text("\n".join(split) + "\n")
+    (cub / "classes.txt").write_text("".join(f"{c + 1} {c + 1:03d}.Bird_{c}\n" for c in range(N_CLASSES)))
+    return cub
+
+
+def coin_raw(root):
+    """A CoIN-like tree: Instructions/<Task>/{train,test}.json in the benchmark's own record forms."""
+    from PIL import Image
+
+    img = root / "images"
+    colours = {"red": (220, 30, 30), "green": (30, 200, 30), "blue": (30, 30, 220)}
+    for name, rgb in colours.items():
+        for i in range(3):
+            (img / "vqa").mkdir(parents=True, exist_ok=True)
+            Image.new("RGB", (32, 32), tuple(max(0, v - 20 * i) for v in rgb)).save(img / "vqa" / f"{name}{i}.jpg")
+    q = "What colour is the image? Answer with one word."
+    train = [{"id": f"tv{n}", "image": f"vqa/{c}{i}.jpg",
+              "conversations": [{"from": "human", "value": f"<image>\n{q}"}, {"from": "gpt", "value": c}]}
+             for n, (c, i) in enumerate((c, i) for c in colours for i in range(2))]
+    test = [{"question_id": 100 + n, "image": f"vqa/{c}2.jpg", "text": q, "answer": c} for n, c in enumerate(colours)]
+    ann = {"data": [{"question_id": 100 + n, "answers": [c] * 7 + ["dark " + c] * 3} for n, c in enumerate(colours)]}
+    gtrain = [{"id": f"g{n}", "image": f"vqa/{c}0.jpg", "conversations": [
+        {"from": "human", "value": "<image>\nGive the box of the object."}, {"from": "gpt", "value": "[0.1, 0.1, 0.9, 0.9]"}]}
+        for n, c in enumerate(colours)]
+    gtest = [{"question_id": f"gq{n}", "image": f"vqa/{c}1.jpg", "text": "Give the box of the object.",
+              "answer_bbox": "[0.1,0.1,0.9,0.9]", "size": [32, 32]} for n, c in enumerate(colours)]
+    for task, (tr, te) in {"TextVQA": (train, test), "Grounding": (gtrain, gtest)}.items():
+        (root / "Instructions" / task).mkdir(parents=True, exist_ok=True)
+        (root / "Instructions" / task / "train.json").write_text(json.dumps(tr))
+        (root / "Instructions" / task / "test.json").write_text(json.dumps(te))
+    (root / "TextVQA_val.json").write_text(json.dumps(ann))
+    return root
+
+
+def ucit_parquet(root):
+    """A UCIT task as a dataset ``datasets`` loads from local parquet / arrow files (images embedded)."""
+    import io
+
+    import datasets
+    from PIL import Image
+
+    def png(rgb):
+        buf = io.BytesIO()
+        Image.new("RGB", (32, 32), rgb).save(buf, format="PNG")
+        return {"bytes": buf.getvalue(), "path": None}
+
+    rows = {"train": [("a", (220, 30, 30), "A"), ("b", (30, 200, 30), "B"), ("c", (30, 30, 220), "A")],
+            "test": [("t1", (200, 40, 40), "A"), ("t2", (40, 190, 40), "B")]}
+    folder = root / "UCIT" / "ArxivQA"
+    folder.mkdir(parents=True)
+    features = datasets.Features({"question_id": datasets.Value("string"), "image": datasets.Image(),
+                                  "text": datasets.Value("string"), "answer": datasets.Value("string"),
+                                  "choices": datasets.Sequence(datasets.Value("string"))})
+    for split, rs in rows.items():
+        ds = datasets.Dataset.from_dict(
+            {"question_id": [r[0] for r in rs], "image": [png(r[1]) for r in rs],
+             "text": ["Which colour is it?\nA. warm\nB. cool\nAnswer with the option's letter."] * len(rs),
+             "answer": [r[2] for r in rs], "choices": [["warm", "cool"]] * len(rs)}, features=features)
+        if split == "train":
+            ds.to_parquet(str(folder / "train.parquet"))
+        else:
+            ds.save_to_disk(str(folder / "test"))
+    return root / "UCIT"
+
+
+def convert_instruction_sets(tmp_path) -> dict[str, object]:
+    """CoIN (TextVQA with an annotation file, Grounding), UCIT (parquet train, saved-dataset test) and a
+    bare arrow file through their converters; every conversion must succeed. Returns the raw and output
+    folders by name."""
+    raw = coin_raw(tmp_path / "coin_raw")
+    r = convert("coin", "--instructions", raw / "Instructions", "--images", raw / "images", "--task", "textvqa",
+                "grounding", "--annotations", f"textvqa={raw / 'TextVQA_val.json'}", "--out", tmp_path / "coin",
+                "--shard-size", 2, "--workers", 2)
+    assert r.returncode == 0, r.stderr
+    ucit = ucit_parquet(tmp_path / "ucit_raw")
+    r = convert("ucit", "--instructions", ucit, "--task", "arxivqa", "--out", tmp_path / "ucit")
+    assert r.returncode == 0, r.stderr
+    arrow = next((ucit / "ArxivQA" / "test").glob("*.arrow"))  # a bare arrow file, read through datasets
+    r = convert("llava_json", "--json", arrow, "--out", tmp_path / "arrow_split", "--scorer", "multiple_choice")
+    assert r.returncode == 0, r.stderr
+    return {"coin_raw": raw, "coin": tmp_path / "coin", "ucit_raw": ucit, "ucit": tmp_path / "ucit",
+            "arrow_split": tmp_path / "arrow_split"}

@@ -1,0 +1,219 @@
+"""The house plan (docs/architecture.md), enforced: which rooms may import which, no module reaching into
+another's private names, every hook the pipeline and the evaluator call declared on Method, declared (not
+detected) stages, and a design document whose "how to add" sections each name one file."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+
+# Rooms from the bottom up: a module may import its own room and the rooms below it, never one above.
+ROOMS: list[tuple[str, tuple[str, ...]]] = [
+    ("foundation", ("mcit", "mcit.registry", "mcit.config", "mcit.checkpoint", "mcit.distributed", "mcit.rundir",
+                    "mcit.preemption", "mcit.metrics", "mcit.scorers", "mcit.subspace")),
+    ("data", ("mcit.data",)),
+    ("models", ("mcit.models",)),
+    ("methods", ("mcit.methods",)),
+    ("running", ("mcit.engine", "mcit.evaluation", "mcit.preflight", "mcit.lifecycle")),
+    ("entry", ("mcit.pipeline", "mcit.sweep", "mcit.report")),
+]
+
+
+def _module_name(path: Path, base: Path = ROOT) -> str:
+    parts = list(path.relative_to(base).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _room(module: str) -> int:
+    best, rank = -1, None
+    for i, (_, prefixes) in enumerate(ROOMS):
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and len(p) > best:
+                best, rank = len(p), i
+    assert rank is not None, f"{module} is in no room of docs/architecture.md; add it to ROOMS and to the document"
+    return rank
+
+
+def project_imports(path: Path) -> set[str]:
+    """Every mcit module ``path`` imports, at the top or inside functions (``from mcit import x`` -> mcit.x)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "mcit" and node.level == 0:
+            if node.module == "mcit":
+                out |= {f"mcit.{a.name}" for a in node.names}
+            else:
+                out.add(node.module)
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.split(".")[0] == "mcit"}
+    return out
+
+
+def import_violations(package: Path = ROOT / "mcit") -> list[str]:
+    bad = []
+    for f in sorted(package.rglob("*.py")):
+        me = _module_name(f, package.parent)
+        for dep in sorted(project_imports(f)):
+            if _room(dep) > _room(me):
+                bad.append(f"{me} ({ROOMS[_room(me)][0]}) imports {dep} ({ROOMS[_room(dep)][0]})")
+    return bad
+
+
+def test_lower_rooms_never_import_upper_ones():
+    assert import_violations() == []
+    for f in [*(ROOT / "mcit" / "data").rglob("*.py"), *(ROOT / "mcit" / "models").rglob("*.py")]:
+        forbidden = {d for d in project_imports(f)
+                     if d.startswith(("mcit.methods", "mcit.engine", "mcit.pipeline"))}
+        assert not forbidden, f"{f.relative_to(ROOT)} imports {sorted(forbidden)}"
+
+
+def test_the_rule_catches_an_upward_import(tmp_path):
+    """The check itself, on a copy of the package with one upward import added (lazily, inside a function)."""
+    import shutil
+
+    shutil.copytree(ROOT / "mcit", tmp_path / "mcit", ignore=shutil.ignore_patterns("__pycache__"))
+    assert import_violations(tmp_path / "mcit") == []
+    (tmp_path / "mcit" / "data" / "probe.py").write_text("def f():\n    from mcit.pipeline import Pipeline\n")
+    assert import_violations(tmp_path / "mcit") == ["mcit.data.probe (data) imports mcit.pipeline (entry)"]
+
+
+PROJECT_DIRS = ("mcit", "pipelines", "data_prep", "bench", "tests")
+
+
+def _private_names_defined() -> set[str]:
+    """Underscore names the project defines: functions, classes, attributes, module variables."""
+    names = set()
+    for d in PROJECT_DIRS:
+        for f in (ROOT / d).rglob("*.py"):
+            for node in ast.walk(ast.parse(f.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                    names.add(node.name)
+                elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                    names.add(node.id)
+                elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                    names.add(node.attr)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def private_reach(source: str, private: set[str]) -> list[str]:
+    """``from m import _x`` of a project module, and ``obj._x`` on anything but self / cls / super()."""
+    bad = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and \
+                node.module.split(".")[0] in ("mcit", "pipelines", "data_prep", "conftest", "raw_formats"):
+            bad += [f"line {node.lineno}: from {node.module} import {a.name}" for a in node.names
+                    if a.name.startswith("_") and not a.name.startswith("__")]
+        if isinstance(node, ast.Attribute) and node.attr in private:
+            v = node.value
+            if isinstance(v, ast.Name) and v.id in ("self", "cls"):
+                continue
+            if isinstance(v, ast.Call) and isinstance(v.func, ast.Name) and v.func.id == "super":
+                continue
+            bad.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return bad
+
+
+def test_no_module_reaches_into_another_modules_private_names():
+    private = _private_names_defined()
+    bad = {}
+    for d in PROJECT_DIRS:
+        for f in sorted((ROOT / d).rglob("*.py")):
+            found = private_reach(f.read_text(), private)
+            if found:
+                bad[str(f.relative_to(ROOT))] = found
+    assert bad == {}
+
+
+def test_the_private_name_rule_catches_both_forms():
+    private = {"_eval_row", "_master"}
+    src = "from mcit.engine import _master\npipe._eval_row(1)\nself._eval_row(2)\nsuper()._eval_row(3)\n"
+    assert private_reach(src, private) == ["line 1: from mcit.engine import _master", "line 2: pipe._eval_row"]
+
+
+def _hook_calls() -> dict[str, set[str]]:
+    """Attributes the pipeline, the lifecycle driver, the engine, the subspace protocol and the evaluator
+    use on a method object (a variable or attribute named ``method``, or DeepSpeed's ``engine.module``)."""
+    files = ["mcit/pipeline.py", "mcit/lifecycle.py", "mcit/engine.py", "mcit/subspace.py", "mcit/evaluation.py",
+             "pipelines/evaluate.py"]
+    out: dict[str, set[str]] = {}
+    for rel in files:
+        for node in ast.walk(ast.parse((ROOT / rel).read_text())):
+            if isinstance(node, ast.Attribute):
+                v = node.value
+                of_config = isinstance(v, ast.Attribute) and "cfg" in ast.unparse(v.value)  # cfg.method: the config section
+                if (isinstance(v, ast.Name) and v.id == "method") or \
+                        (isinstance(v, ast.Attribute) and v.attr in ("method", "module") and not of_config):
+                    out.setdefault(node.attr, set()).add(rel)
+    return out
+
+
+def test_every_hook_the_pipeline_and_evaluator_call_is_declared_on_method():
+    from torch import nn
+
+    from mcit.methods.base import Method
+
+    calls = _hook_calls()
+    assert {"set_task", "set_phase", "before_task", "after_task", "statistics", "finalize_statistics",
+            "subspace_report", "predict", "generate", "task_loss", "zero_shot", "project_update",
+            "has_subspace_stage", "projects_updates", "phase_train", "trainable_parameters"} <= set(calls)
+    for name, where in sorted(calls.items()):
+        if name in nn.Module.__dict__ or name in ("backbone", "name"):
+            continue  # nn.Module's own (to, state_dict, ...) and the two plain attributes every method has
+        assert name in Method.__dict__, f"{sorted(where)} use method.{name}, which Method does not declare"
+        attr = Method.__dict__[name]
+        if callable(attr) or isinstance(attr, (classmethod, staticmethod)):
+            doc = (getattr(attr, "__func__", attr).__doc__ or "").strip()
+            assert doc, f"Method.{name} has no docstring"
+
+
+def test_stages_are_declared_and_the_declarations_are_true():
+    """has_subspace_stage / projects_updates are class attributes, never found by introspection in the
+    pipeline; each shipped method declares exactly what it implements."""
+    from mcit.methods.base import Method
+    from mcit.registry import METHODS
+
+    for f in ("mcit/pipeline.py", "mcit/lifecycle.py", "mcit/engine.py"):
+        assert "is not Method." not in (ROOT / f).read_text()
+    for name in METHODS.names():
+        cls = METHODS.get(name)
+        if not cls.__module__.startswith("mcit."):
+            continue
+        overrides = {h for h in ("statistics", "project_update")
+                     if any(h in k.__dict__ for k in cls.__mro__ if k not in (Method, object))}
+        assert cls.has_subspace_stage == ("statistics" in overrides), name
+        assert cls.projects_updates == ("project_update" in overrides), name
+
+
+def _architecture() -> str:
+    path = ROOT / "docs" / "architecture.md"
+    assert path.is_file(), "docs/architecture.md is the project's design document"
+    return path.read_text()
+
+
+@pytest.mark.parametrize("what", ["method", "backbone", "scorer", "dataset converter"])
+def test_every_how_to_add_names_one_file(what):
+    text = _architecture()
+    m = re.search(rf"^### Adding a {what}\n(.*?)(?=^##)", text, re.S | re.M)
+    assert m, f"docs/architecture.md has no section '### Adding a {what}'"
+    files = re.findall(r"^File: `([^`]+)`", m.group(1), re.M)
+    assert len(files) == 1, f"'Adding a {what}' must name exactly one file, names {files}"
+    assert "No other file changes" in m.group(1)
+
+
+def test_the_design_document_covers_the_plan_and_the_code_points_to_it():
+    text = _architecture()
+    for heading in ("## Rooms", "## The stage loop", "## The method interface", "## One batch",
+                    "## How to add", "## Known faults of the official code"):
+        assert heading in text, heading
+    for room, prefixes in ROOMS:
+        for p in prefixes:
+            if p != "mcit":
+                assert f"`{p.replace('.', '/')}" in text, f"{p} ({room}) is not described in docs/architecture.md"
+    stale = [str(f.relative_to(ROOT)) for d in ("mcit", "pipelines", "data_prep") for f in (ROOT / d).rglob("*.py")
+             if "DESIGN.md" in f.read_text()]
+    assert stale == []

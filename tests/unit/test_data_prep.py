@@ -1,0 +1,287 @@
+"""Dataset converters: exact raw-format fixtures (tests/raw_formats.py) convert, verify, resume and fail clearly."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import numpy as np
+import pytest
+
+from mcit.data.shards import DataError, open_split
+from raw_formats import (N_CLASSES, cifar_raw, coin_raw, convert, convert_instruction_sets, cub_raw, domainnet_raw,
+                         imagenet_r_raw)
+
+
+def test_cifar100_converts_verifies_and_orders_reproducibly(tmp_path):
+    raw = cifar_raw(tmp_path / "cifar-100-python")
+    r = convert("cifar100", "--raw", raw, "--out", tmp_path / "a", "--classes-per-task", 2, "--seed", 3, "--shard-size", 4,
+             "--workers", 2)
+    assert r.returncode == 0, r.stderr
+    meta = json.loads((tmp_path / "a" / "benchmark.json").read_text())
+    assert meta["class_order"] == [int(c) for c in np.random.RandomState(3).permutation(N_CLASSES)]
+    split = open_split(tmp_path / "a" / "task0" / "train", "sha256")
+    assert split.num_samples == 10 and split.label_space == sorted(meta["tasks"][0]["classes"])
+    assert split.manifest["class_order"] == meta["class_order"] and split.manifest["skipped"] == 0
+    assert convert("cifar100", "--verify", tmp_path / "a").returncode == 0
+    again = convert("cifar100", "--raw", raw, "--out", tmp_path / "b", "--classes-per-task", 2, "--seed", 3, "--shard-size", 4)
+    assert again.returncode == 0
+    for t in range(3):
+        for s in ("train", "test"):
+            a = json.loads((tmp_path / "a" / f"task{t}" / s / "manifest.json").read_text())
+            b = json.loads((tmp_path / "b" / f"task{t}" / s / "manifest.json").read_text())
+            assert [x["sha256"] for x in a["shards"]] == [x["sha256"] for x in b["shards"]]  # byte-identical
+    other = convert("cifar100", "--raw", raw, "--out", tmp_path / "c", "--classes-per-task", 2, "--seed", 4, "--shard-size", 4)
+    assert other.returncode == 0, other.stderr
+    assert json.loads((tmp_path / "c" / "benchmark.json").read_text())["class_order"] != meta["class_order"]
+    # a corrupted shard is caught by --verify
+    shard = tmp_path / "a" / "task1" / "test" / "shard-000000.tar"
+    shard.write_bytes(shard.read_bytes()[:-1] + b"x")
+    bad = convert("cifar100", "--verify", tmp_path / "a")
+    assert bad.returncode == 2 and "sha256 does not match" in bad.stderr
+
+
+class _Interrupt(Exception):
+    pass
+
+
+def _encode_until(spec, stop_at):
+    from data_prep.cifar100 import encode
+
+    if spec[5] >= stop_at:
+        raise _Interrupt()
+    return encode(spec, N_CLASSES)
+
+
+def test_interrupted_conversion_resumes_keeping_finished_shards(tmp_path):
+    from functools import partial
+
+    from data_prep.cifar100 import encode, load_pickle, records
+    from data_prep.common import write_shards
+
+    raw = cifar_raw(tmp_path / "raw")
+    recs, _ = records(load_pickle(raw / "train"), "train", raw / "train", N_CLASSES)
+    clean = write_shards(tmp_path / "clean", recs, partial(encode, num_classes=N_CLASSES), shard_size=8,
+                         label_space=list(range(N_CLASSES)), progress=False)
+    out = tmp_path / "resumed"
+    with pytest.raises(_Interrupt):
+        write_shards(out, recs, partial(_encode_until, stop_at=20), shard_size=8, label_space=list(range(N_CLASSES)),
+                     progress=False)
+    assert not (out / "manifest.json").exists()
+    assert sorted(p.name for p in out.glob("*.tar")) == ["shard-000000.tar", "shard-000001.tar"]  # no partial shard
+    assert not list(out.glob("*.tmp*"))
+    kept = {p.name: p.stat().st_mtime_ns for p in out.glob("*.tar")}
+    resumed = write_shards(out, recs, partial(encode, num_classes=N_CLASSES), shard_size=8,
+                           label_space=list(range(N_CLASSES)), progress=False)
+    assert {p: (out / p).stat().st_mtime_ns for p in kept} == kept  # finished shards were not rewritten
+    assert [s["sha256"] for s in resumed["shards"]] == [s["sha256"] for s in clean["shards"]]
+    assert not (out / ".progress.json").exists()
+
+
+def test_bad_cifar_inputs_name_the_record_and_file(tmp_path):
+    raw = cifar_raw(tmp_path / "badlabel", bad_label=True)
+    r = convert("cifar100", "--raw", raw, "--out", tmp_path / "o1", "--classes-per-task", 2, "--seed", 0)
+    assert r.returncode == 2 and "record 'train_3.png'" in r.stderr and "label 250" in r.stderr
+    assert str(raw / "train") in r.stderr
+    r = convert("cifar100", "--raw", raw, "--out", tmp_path / "o2", "--classes-per-task", 2, "--seed", 0, "--on-error", "skip")
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "o2" / "benchmark.json").read_text())["skipped_records"]["train"] == ["train_3.png"]
+    assert json.loads((tmp_path / "o2" / "task0" / "train" / "manifest.json").read_text())["source_skipped"] == 1
+    dup = cifar_raw(tmp_path / "dup", duplicate=True)
+    r = convert("cifar100", "--raw", dup, "--out", tmp_path / "o3", "--classes-per-task", 2)
+    assert r.returncode == 2 and "'train_2.png'" in r.stderr and "duplicate id" in r.stderr
+    (tmp_path / "nometa").mkdir()
+    r = convert("cifar100", "--raw", tmp_path / "nometa", "--out", tmp_path / "o4")
+    assert r.returncode == 2 and "missing file" in r.stderr and "meta" in r.stderr
+    weird = cifar_raw(tmp_path / "weird")
+    with open(weird / "train", "wb") as f:
+        pickle.dump([1, 2, 3], f)
+    r = convert("cifar100", "--raw", weird, "--out", tmp_path / "o5", "--classes-per-task", 2)
+    assert r.returncode == 2 and "unknown format" in r.stderr
+
+
+def test_skip_policy_counts_skipped_records(tmp_path):
+    from functools import partial
+
+    from data_prep.cifar100 import encode, load_pickle, records
+    from data_prep.common import write_shards
+
+    raw = cifar_raw(tmp_path / "raw")
+    recs, _ = records(load_pickle(raw / "train"), "train", raw / "train", N_CLASSES)
+    recs[5] = (*recs[5][:4], recs[5][4][:100], recs[5][5])  # a truncated image
+    with pytest.raises(DataError, match="record 'train_5.png'.*3072"):
+        write_shards(tmp_path / "f", recs, partial(encode, num_classes=N_CLASSES), shard_size=8, label_space=[0],
+                     progress=False)
+    m = write_shards(tmp_path / "s", recs, partial(encode, num_classes=N_CLASSES), shard_size=8, label_space=[0],
+                     on_error="skip", progress=False)
+    assert m["skipped"] == 1 and m["skipped_records"] == ["train_5.png"] and m["num_samples"] == len(recs) - 1
+
+
+# --------------------------------------------------------------------------------------------------
+# Image-folder benchmarks: ImageNet-R (class folders), DomainNet (txt lists), CUB-200 (id tables)
+
+
+def test_image_folder_benchmarks_convert_and_verify(tmp_path):
+    """ImageNet-R (seeded 80/20 split and fixed lists), DomainNet lists and CUB-200 tables, each in its
+    distributed layout: convert, --verify, reproducible class order and split (training one converted task
+    of each: tests/launch/test_data_prep_pipeline.py)."""
+    import torch
+
+    from mcit.data.shards import iter_samples
+
+    raw = tmp_path / "raw"
+    wnids = imagenet_r_raw(raw / "inr")
+    r = convert("imagenet_r", "--raw", raw / "inr", "--out", tmp_path / "inr", "--classes-per-task", 3, "--seed", 5,
+                 "--split-seed", 42, "--class-names", raw / "inr" / "classnames.txt", "--workers", 2, "--shard-size", 4)
+    assert r.returncode == 0, r.stderr
+    meta = json.loads((tmp_path / "inr" / "benchmark.json").read_text())
+    assert meta["class_order"] == [int(c) for c in np.random.RandomState(5).permutation(N_CLASSES)]
+    assert meta["class_names"][0] == "thing 0" and meta["num_samples"] == {"train": 24, "test": 6}
+    # the split is torch.randperm over the sorted ImageFolder list with the split seed
+    files = [f"{w}/{f}" for w in wnids for f in sorted(p.name for p in (raw / "inr" / "imagenet-r" / w).iterdir())]
+    perm = torch.randperm(len(files), generator=torch.Generator().manual_seed(42)).tolist()
+    ids = [json.loads(s["json"])["id"] for t in range(2)
+           for s in iter_samples(open_split(tmp_path / "inr" / f"task{t}" / "test", "sha256"), 0, 1, policy="sample")]
+    assert sorted(ids) == sorted(files[i] for i in perm[24:])
+    assert convert("imagenet_r", "--verify", tmp_path / "inr").returncode == 0
+    (raw / "train.txt").write_text("".join(f"imagenet-r/{f}\n" for f in files[6:]))
+    (raw / "test.txt").write_text("".join(f"imagenet-r/{f}\n" for f in files[:6]))
+    r = convert("imagenet_r", "--raw", raw / "inr", "--out", tmp_path / "inr_lists", "--classes-per-task", 3,
+                 "--train-list", raw / "train.txt", "--test-list", raw / "test.txt")
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "inr_lists" / "benchmark.json").read_text())["num_samples"] == {"train": 24, "test": 6}
+
+    lines = domainnet_raw(raw / "dn")
+    r = convert("domainnet", "--raw", raw / "dn", "--train-list", raw / "dn" / "sdomain_train.txt", "--test-list",
+                 raw / "dn" / "sdomain_test.txt", "--out", tmp_path / "dn", "--classes-per-task", 2, "--seed", 0)
+    assert r.returncode == 0, r.stderr
+    meta = json.loads((tmp_path / "dn" / "benchmark.json").read_text())
+    assert meta["class_names"] == [f"cls_{c}" for c in range(N_CLASSES)]
+    assert meta["num_samples"] == {"train": len(lines["train"]), "test": len(lines["test"])}
+    assert convert("domainnet", "--verify", tmp_path / "dn").returncode == 0
+
+    cub_raw(raw / "cub")
+    r = convert("cub200", "--raw", raw / "cub", "--out", tmp_path / "cub", "--classes-per-task", 2, "--seed", 1)
+    assert r.returncode == 0, r.stderr
+    meta = json.loads((tmp_path / "cub" / "benchmark.json").read_text())
+    assert meta["class_names"][0] == "Bird 0" and meta["num_samples"] == {"train": 18, "test": 6}
+    assert convert("cub200", "--verify", tmp_path / "cub").returncode == 0
+    again = convert("cub200", "--raw", raw / "cub", "--out", tmp_path / "cub2", "--classes-per-task", 2, "--seed", 1)
+    assert again.returncode == 0
+    sha = [json.loads((tmp_path / d / "task2" / "train" / "manifest.json").read_text())["shards"][0]["sha256"]
+           for d in ("cub", "cub2")]
+    assert sha[0] == sha[1]  # byte-identical shards from the same raw data
+
+
+
+def test_bad_image_folder_inputs_name_the_record_and_file(tmp_path):
+    raw = tmp_path / "raw"
+    cub_raw(raw / "cub")
+    cub = raw / "cub" / "CUB_200_2011"
+    victim = next((cub / "images").glob("003.*/*_0001.jpg"))
+    victim.write_bytes(b"not a jpeg at all")  # unreadable image
+    r = convert("cub200", "--raw", raw / "cub", "--out", tmp_path / "o1", "--classes-per-task", 2)
+    assert r.returncode == 2 and "record '10'" in r.stderr and "unreadable image" in r.stderr and str(victim) in r.stderr
+    r = convert("cub200", "--raw", raw / "cub", "--out", tmp_path / "o2", "--classes-per-task", 2, "--on-error", "skip")
+    assert r.returncode == 0, r.stderr
+    skipped = [json.loads(p.read_text())["skipped"] for p in (tmp_path / "o2").glob("*/*/manifest.json")]
+    assert sum(skipped) == 1
+    victim.unlink()  # missing image
+    r = convert("cub200", "--raw", raw / "cub", "--out", tmp_path / "o3", "--classes-per-task", 2)
+    assert r.returncode == 2 and "record '10'" in r.stderr and "image file not found" in r.stderr
+    with open(cub / "images.txt", "a") as f:
+        f.write("3 001.Bird_0/again.jpg\n")  # duplicate id
+    r = convert("cub200", "--raw", raw / "cub", "--out", tmp_path / "o4", "--classes-per-task", 2)
+    assert r.returncode == 2 and "record '3'" in r.stderr and "duplicate id" in r.stderr and "images.txt" in r.stderr
+
+    lines = domainnet_raw(raw / "dn")
+    bad = raw / "dn" / "bad.txt"
+    bad.write_text(lines["train"][0].replace(" ", "\t") + " extra\n")  # unknown format
+    r = convert("domainnet", "--raw", raw / "dn", "--train-list", bad, "--test-list", raw / "dn" / "sdomain_test.txt",
+                 "--out", tmp_path / "o5")
+    assert r.returncode == 2 and "bad.txt line 1: unknown format" in r.stderr
+    (raw / "dn" / "dup.txt").write_text("\n".join(lines["train"] + lines["train"][:1]) + "\n")
+    r = convert("domainnet", "--raw", raw / "dn", "--train-list", raw / "dn" / "dup.txt", "--test-list",
+                 raw / "dn" / "sdomain_test.txt", "--out", tmp_path / "o6", "--classes-per-task", 2)
+    assert r.returncode == 2 and "duplicate id" in r.stderr and lines["train"][0].split()[0] in r.stderr
+    r = convert("imagenet_r", "--raw", tmp_path / "nowhere", "--out", tmp_path / "o7")
+    assert r.returncode == 2 and "missing directory" in r.stderr
+
+
+# --------------------------------------------------------------------------------------------------
+# Instruction sets: CoIN / UCIT JSON (+ annotation files) and datasets-loadable parquet / arrow
+
+
+def test_instruction_sets_convert_and_verify(tmp_path):
+    from mcit.data.instructions import decode_instruction
+    from mcit.data.shards import iter_samples
+
+    out = convert_instruction_sets(tmp_path)
+    test = open_split(out["coin"] / "textvqa" / "test", "sha256")
+    assert test.manifest["kind"] == "instruction" and test.manifest["scorer"] == "vqa_accuracy"
+    decoded = [decode_instruction(s)[1] for s in iter_samples(test, 0, 1, policy="sample")]
+    assert decoded[0]["question"].startswith("<image>\n") and decoded[0]["answer"] == "red"
+    assert decoded[0]["answers"] == ["red"] * 7 + ["dark red"] * 3  # joined from the annotation file
+    g = [decode_instruction(s)[1] for s in iter_samples(open_split(out["coin"] / "grounding" / "test"), 0, 1,
+                                                        policy="sample")]
+    assert g[0]["box"] == [0.1, 0.1, 0.9, 0.9]
+    assert convert("coin", "--verify", out["coin"]).returncode == 0
+    tr = open_split(out["ucit"] / "arxivqa" / "train")
+    assert tr.num_samples == 3 and tr.manifest["scorer"] == "multiple_choice"
+    s = next(iter_samples(tr, 0, 1, policy="sample"))
+    assert "png" in s and json.loads(s["json"])["choices"] == ["warm", "cool"]
+    assert convert("ucit", "--verify", out["ucit"]).returncode == 0
+    assert open_split(out["arrow_split"], "sha256").num_samples == 2
+
+
+def test_bad_instruction_inputs_name_the_record_and_file(tmp_path):
+    raw = coin_raw(tmp_path / "coin_raw")
+    tv = raw / "Instructions" / "TextVQA"
+    args = ["--instructions", raw / "Instructions", "--images", raw / "images", "--task", "textvqa"]
+    test = json.loads((tv / "test.json").read_text())
+
+    def run(out, *extra):
+        return convert("coin", *args, "--out", tmp_path / out, *extra)
+
+    ann = json.loads((raw / "TextVQA_val.json").read_text())
+    ann["data"].append(dict(ann["data"][1]))  # the VizWiz mismatch: an id twice in the annotations
+    (raw / "dup_ann.json").write_text(json.dumps(ann))
+    r = run("o1", "--annotations", f"textvqa={raw / 'dup_ann.json'}")
+    assert r.returncode == 2 and "record '101'" in r.stderr and "duplicate question_id" in r.stderr
+    assert "dup_ann.json" in r.stderr and not (tmp_path / "o1").exists()
+
+    (tv / "test.json").write_text(json.dumps(test + [dict(test[0])]))  # duplicate question id
+    r = run("o2")
+    assert r.returncode == 2 and "record '100'" in r.stderr and "duplicate id" in r.stderr and "test.json" in r.stderr
+
+    broken = [dict(t) for t in test]
+    del broken[1]["answer"]  # a record without an answer
+    (tv / "test.json").write_text(json.dumps(broken))
+    r = run("o3")
+    assert r.returncode == 2 and "record '101'" in r.stderr and "no answer" in r.stderr
+    r = run("o4", "--on-error", "skip")
+    assert r.returncode == 0, r.stderr
+    m = json.loads((tmp_path / "o4" / "textvqa" / "test" / "manifest.json").read_text())
+    assert m["num_samples"] == 2 and m["source_skipped"] == 1 and m["source_skipped_records"] == ["101"]
+
+    missing = [dict(t) for t in test]
+    missing[2]["image"] = "vqa/nothing.jpg"  # a missing image
+    (tv / "test.json").write_text(json.dumps(missing))
+    r = run("o5")
+    assert r.returncode == 2 and "record '102'" in r.stderr and "image file not found" in r.stderr
+
+    (raw / "images" / "vqa" / "bad.jpg").write_bytes(b"\x89PNG but truncated")  # an unreadable image
+    missing[2]["image"] = "vqa/bad.jpg"
+    (tv / "test.json").write_text(json.dumps(missing))
+    r = run("o6")
+    assert r.returncode == 2 and "record '102'" in r.stderr and "unreadable image" in r.stderr
+
+    (tv / "test.json").write_text(json.dumps([{"question_id": 1, "image": "vqa/red0.jpg", "caption": "x"}]))
+    r = run("o7")
+    assert r.returncode == 2 and "record '1'" in r.stderr and "unknown format" in r.stderr
+    (tv / "test.json").unlink()
+    (tv / "test.csv").write_text("a,b\n")
+    r = run("o8")
+    assert r.returncode == 2 and "no test.json" in r.stderr
+    r = convert("llava_json", "--json", tv / "test.csv", "--images", raw / "images", "--out", tmp_path / "o9")
+    assert r.returncode == 2 and "test.csv: unknown format" in r.stderr

@@ -1,0 +1,166 @@
+"""Adding a backbone and a method is one file each: both are registered here, in a test module, and run
+through the real pipeline (pre-flight, DeepSpeed train stage, subspace stage, eval, commit, metrics) in
+this process, with no edit anywhere else. The method records every hook call, which pins the lifecycle
+order written in ``Method``'s docstring."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mcit.data.types import Batch, TaskSequence
+from mcit.methods.base import LossTerms, Method, MethodParams
+from mcit.models.base import Backbone
+from mcit.registry import BACKBONES, METHODS
+
+CALLS: list[tuple] = []  # (hook, task, phase) over every build of the method in this process
+
+
+@BACKBONES.register("test_resnet")
+class ResNetBackbone(Backbone):
+    """A frozen transformers ResNetModel (a CNN: nothing like the ViT the prompt methods know)."""
+
+    task_type = "classification"
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model.requires_grad_(False).eval()
+        self.hidden_size = int(model.config.hidden_sizes[-1])
+
+    @classmethod
+    def from_path(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> "ResNetBackbone":
+        from transformers import ResNetModel
+
+        cls.check(path)
+        return cls(ResNetModel.from_pretrained(str(path), dtype=dtype))
+
+    def preprocess(self, images: list) -> torch.Tensor:
+        import numpy as np
+
+        arrs = [np.asarray(im.convert("RGB").resize((16, 16)), dtype=np.float32) / 255.0 for im in images]
+        return torch.from_numpy(np.stack(arrs)).permute(0, 3, 1, 2).contiguous()
+
+    def make_collate(self, split: Any, task: int, *, train: bool, label_index: dict[int, int]) -> Callable:
+        from mcit.data.loader import classification_collate
+
+        return classification_collate(self.preprocess, label_index, task, split)
+
+    @torch.no_grad()
+    def features(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        return self.model(pixel_values).pooler_output.flatten(1)
+
+
+class MeansParams(MethodParams):
+    temperature: float = 1.0
+
+
+@METHODS.register("test_class_means")
+class ClassMeans(Method):
+    """A linear head trained per task, and a nearest-class-mean classifier whose means the subspace
+    stage computes from the statistics of every rank."""
+
+    name = "test_class_means"
+    Params = MeansParams
+    has_subspace_stage = True
+
+    def __init__(self, params: MeansParams, backbone: nn.Module, sequence: TaskSequence) -> None:
+        super().__init__(params, backbone, sequence)
+        self.head = nn.Linear(backbone.hidden_size, sequence.num_classes)
+        self.register_buffer("means", torch.zeros(sequence.num_classes, backbone.hidden_size))
+        CALLS.append(("build", None, None))
+
+    def set_task(self, task: int) -> None:
+        super().set_task(task)
+        CALLS.append(("set_task", task, None))
+
+    def set_phase(self, phase: str) -> None:
+        super().set_phase(phase)
+        CALLS.append(("set_phase", None, phase))
+
+    def before_task(self, task: int) -> None:
+        super().before_task(task)
+        CALLS.append(("before_task", task, None))
+
+    def after_task(self, task: int) -> None:
+        CALLS.append(("after_task", task, None))
+
+    def train_outputs(self, batch: Batch) -> dict[str, torch.Tensor]:
+        return {"logits": self.head(self.backbone.features(batch.pixel_values))}
+
+    def loss(self, batch: Batch, outputs: dict[str, torch.Tensor]) -> LossTerms:
+        ce = F.cross_entropy(outputs["logits"], batch.labels, reduction="none")
+        return LossTerms(per_sample=ce)
+
+    def statistics(self, batch: Batch) -> dict[str, torch.Tensor]:
+        CALLS.append(("statistics", self.current_task, None))
+        f = self.backbone.features(batch.pixel_values) * batch.valid[:, None]
+        onehot = F.one_hot(batch.labels, self.sequence.num_classes).to(f.dtype) * batch.valid[:, None]
+        return {"sums": onehot.T @ f, "counts": onehot.sum(0)}
+
+    def finalize_statistics(self, reduced: dict[str, torch.Tensor], task: int) -> None:
+        seen = reduced["counts"] > 0
+        self.means[seen] = (reduced["sums"][seen] / reduced["counts"][seen, None]).to(self.means.dtype)
+
+    def predict(self, batch: Batch) -> torch.Tensor:
+        CALLS.append(("predict", self.current_task, None))
+        f = F.normalize(self.backbone.features(batch.pixel_values), dim=-1)
+        scores = f @ F.normalize(self.means, dim=-1).T / self.params.temperature
+        return self.restrict(scores, batch).argmax(dim=-1)
+
+
+@pytest.fixture(scope="module")
+def resnet_dir(tmp_path_factory) -> Path:
+    from transformers import ResNetConfig, ResNetModel
+
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("resnet") / "resnet"
+    ResNetModel(ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic")).save_pretrained(out)
+    return out
+
+
+def test_a_backbone_and_a_method_from_a_test_module_run_through_the_pipeline(assets, resnet_dir, tmp_path):
+    from conftest import tiny_config
+
+    from mcit import distributed as dist
+    from mcit.config import load_config
+    from mcit.pipeline import Pipeline
+    from mcit.preflight import preflight
+
+    path = tiny_config(assets, tmp_path, "extend", data={"tasks": ["task0", "task1"]},
+                       backbone={"kind": "test_resnet", "path": str(resnet_dir), "tag": "resnet_toy",
+                                 "cache_dir": str(tmp_path / "cache")},
+                       method={"name": "test_class_means", "temperature": 0.5},
+                       train={"epochs": 1, "deepspeed_config": "deepspeed_configs/zero2.json"},
+                       eval={"batch_size": 50, "zero_shot": False, "first_task_loss": False})
+    dist.init()
+    CALLS.clear()
+    plan = preflight(load_config(path))
+    assert plan.backbone.record["tag"] == "resnet_toy" and len(plan.backbone.record["sha256"]) == 64
+    metrics = Pipeline(plan).run()
+
+    run = tmp_path / "runs" / "extend"
+    assert metrics["complete"] and len(metrics["acc_matrix"]) == 2
+    assert metrics["acc_matrix"][1][0] > 50 and metrics["acc_matrix"][1][1] > 50  # class means of both tasks
+    assert json.loads((run / "backbone.json").read_text())["sha256"] == plan.backbone.record["sha256"]
+    log = [json.loads(line) for line in (run / "logs" / "train.jsonl").read_text().splitlines()]
+    assert [r["task"] for r in log if r.get("event") == "subspace"] == [0, 1]
+    state = json.loads((run / "state.json").read_text())
+    assert state["finished"] and state["completed"] == ["0/train", "0/subspace", "0/eval", "0/commit",
+                                                        "1/train", "1/subspace", "1/eval", "1/commit"]
+
+    # The lifecycle, as Method's docstring writes it (one phase ""; predict once per test batch).
+    hooks = [c for i, c in enumerate(CALLS) if not (c[0] in ("statistics", "predict") and CALLS[i - 1] == c)]
+    task = [("set_task", 0, None), ("set_phase", None, ""), ("before_task", 0, None),
+            ("build", None, None), ("set_task", 0, None), ("set_phase", None, ""), ("after_task", 0, None),
+            ("set_task", 0, None), ("set_phase", None, ""), ("statistics", 0, None),
+            ("set_task", 0, None), ("set_phase", None, ""), ("predict", 0, None)]
+    assert hooks[:1] == [("build", None, None)]
+    assert hooks[1:1 + len(task)] == task
+    second = [(h, None if t is None else 1, p) for h, t, p in task]
+    assert hooks[1 + len(task):] == second
