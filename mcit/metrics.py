@@ -92,7 +92,7 @@ def heatmap(path: Path, tasks: list[str], acc: list[list[float]], title: str) ->
 
 def report_markdown(name: str, method: str, backbone: str, tasks: list[str], counts: list[int],
                     acc: list[list[float]], zero_shot: list[float] | None, m: dict[str, Any],
-                    backbone_sha256: str | None = None) -> str:
+                    backbone_sha256: str | None = None, heatmap_file: str = "acc_matrix.png") -> str:
     head = "| after \\ on | " + " | ".join(tasks) + " |\n|---|" + "---|" * len(tasks) + "\n"
     rows = ""
     if zero_shot is not None:
@@ -102,5 +102,5 @@ def report_markdown(name: str, method: str, backbone: str, tasks: list[str], cou
     metric_rows = "".join(f"| {k} | {'n/a' if v is None else f'{v:.2f}'} |\n" for k, v in m.items())
     sha = f" (sha256 `{backbone_sha256[:16]}`)" if backbone_sha256 else ""
     return (f"# {name}\n\nmethod: `{method}` · backbone: `{backbone}`{sha} · test samples per task: {counts}\n\n"
-            f"## Accuracy matrix (%)\n\n{head}{rows}\n![accuracy matrix](acc_matrix.png)\n\n"
+            f"## Accuracy matrix (%)\n\n{head}{rows}\n![accuracy matrix]({heatmap_file})\n\n"
             f"## Metrics\n\n| metric | value |\n|---|---|\n{metric_rows}")

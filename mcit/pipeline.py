@@ -31,6 +31,7 @@ from mcit.engine import JsonlLogger, TaskTrainer
 from mcit.evaluation import evaluate_row, first_task_loss
 from mcit.lifecycle import MethodHost
 from mcit.preflight import Plan
+from mcit.registry import METHODS
 from mcit.rundir import RunDir
 from mcit.subspace import stream_statistics
 
@@ -51,7 +52,7 @@ def _is_collective_failure(e: BaseException) -> bool:
 
 def stage_keys(plan: Plan) -> list[str]:
     """Every stage of the run, in order (the names state.json lists once they are committed)."""
-    phases = MethodHost(plan).method_cls.phases
+    phases = METHODS.get(plan.cfg.method.name).phases
     per_task = [f"{s}.{p}" if p else s for p in phases for s in STAGES[:2]] + list(STAGES[2:])
     return ((["reference"] if plan.reference is not None else []) + (["zero_shot"] if plan.cfg.eval.zero_shot else [])
             + [f"{t}/{s}" for t in range(len(plan.names)) for s in per_task])
@@ -227,11 +228,14 @@ def write_metrics(plan: Plan, done: int) -> dict[str, Any]:
            "complete": done == T, "tasks_done": done, "acc_matrix": acc, "zero_shot": zs,
            "first_task_loss": first_loss, "seed": cfg.seed, "meta": cfg.meta,
            "backbone_sha256": record.get("sha256"), "backbone_format": record.get("format"), **m}
+    if plan.auxiliary:  # a method's other frozen models (STAR-Prompt's CLIP), like the backbone
+        out["auxiliary_backbones"] = {name: {k: aux.record.get(k) for k in ("tag", "format", "sha256")}
+                                      for name, aux in plan.auxiliary.items()}
     write_json(rd.metrics, out)
     if done == T:
         M.heatmap(rd.heatmap, plan.names, acc, f"{cfg.name} ({cfg.method.name})")
         rd.report.write_text(M.report_markdown(cfg.name, cfg.method.name, cfg.backbone.tag, plan.names, counts, acc,
-                                               zs, m, out["backbone_sha256"]))
+                                               zs, m, out["backbone_sha256"], heatmap_file=rd.heatmap.name))
     return out
 
 

@@ -11,12 +11,13 @@ import sys
 from pathlib import Path
 
 from mcit import metrics as M
+from mcit.rundir import RunDir
 
 KEYS = ["final_avg_acc", "final_avg_acc_task_mean", "avg_incremental_acc", "forgetting", "bwt", "fwd"]
 
 
 def load(run_dir: Path) -> dict:
-    p = run_dir / "metrics.json"
+    p = RunDir(run_dir).metrics
     if not p.is_file():
         raise SystemExit(f"error: {p} not found (has the run finished?)")
     return json.loads(p.read_text())

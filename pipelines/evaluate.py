@@ -102,6 +102,7 @@ def evaluate(plan: Any, ks: list[int], tasks: list[int], *, zero_shot: bool, wri
     from mcit.evaluation import evaluate_row, first_task_loss
     from mcit.lifecycle import MethodHost
     from mcit.pipeline import write_metrics
+    from mcit.rundir import row_tag
 
     dist.init()
     run = plan.run
@@ -124,7 +125,7 @@ def evaluate(plan: Any, ks: list[int], tasks: list[int], *, zero_shot: bool, wri
                                                          "checkpoint": k, "world_size": dist.world_size()})
             if write_rows:
                 write_json(run.row(k), row)
-        results.append(("zero_shot" if k is None else f"after_task_{k}", row["acc"]))
+        results.append((row_tag(k), row["acc"]))
     if dist.is_main():
         print(f"== {plan.cfg.name} · {run.root} · evaluated on {dist.world_size()} process(es) ==")
         width = max(len(plan.names[i]) for i in tasks)

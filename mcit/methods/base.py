@@ -99,8 +99,8 @@ class Method(nn.Module):
                    every task's test split; task_loss(batch) over task 0's test split
         commit     state_dict() saved (checkpoints/task_t/method.safetensors)
 
-    ``set_task`` / ``set_phase`` run at the start of every stage, so a run resumed at any stage sees
-    the same calls as one that never stopped.
+    ``set_task`` (and, for train, subspace and eval, ``set_phase``) start every stage, so a run resumed at
+    any stage sees the same calls as one that never stopped.
     """
 
     name: ClassVar[str] = "base"
@@ -169,7 +169,8 @@ class Method(nn.Module):
         """After task ``task``'s training steps, on the trained state (momentum, bookkeeping, ...)."""
 
     # -- training ----------------------------------------------------------------------------------
-    def forward(self, batch: Batch) -> LossTerms:  # the training forward
+    def forward(self, batch: Batch) -> LossTerms:
+        """The training forward (what DeepSpeed's engine calls): ``loss(batch, train_outputs(batch))``."""
         return self.loss(batch, self.train_outputs(batch))
 
     @abstractmethod

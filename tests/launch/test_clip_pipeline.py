@@ -43,6 +43,10 @@ def test_star_prompt_runs_both_levels_as_pipeline_stages_on_two_ranks(assets, cl
     reports = [r for r in log if r.get("event") == "subspace"]
     assert len(reports) == 4 and all(len(set(r["state_sha256_per_rank"])) == 1 for r in reports)
     assert "gr_second_loss" in reports[-1]
+    from mcit.models.zoo import sha256_path
+
+    record = json.loads((run / "backbone.json").read_text())["auxiliary"]["clip"]  # the CLIP, through the zoo
+    assert record["sha256"] == sha256_path(clip_backbone) and record["tag"] == "local"
     metrics = json.loads((run / "metrics.json").read_text())
     res = launch(["--run", str(run), "--task-checkpoint", "1", "--batch-size", "7"], entry=EVALUATE)
     assert res.returncode == 0, res.stderr[-3000:]

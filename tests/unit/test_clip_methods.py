@@ -231,3 +231,42 @@ def test_star_prompt_names_a_missing_clip_before_loading(assets, tmp_path):
         preflight(cfg)
 
 
+
+
+def test_star_prompt_clip_goes_through_the_zoo_and_guards_resume(assets, clip_backbone, tmp_path):
+    """STAR-Prompt's CLIP is an auxiliary backbone: resolved by the zoo (tag, sha256), checked against a zoo
+    tag's architecture, recorded in backbone.json, and a run directory refuses another CLIP checkpoint."""
+    import json
+
+    from conftest import tiny_config
+    from mcit.config import ConfigError, load_config
+    from mcit.models import zoo as Z
+    from mcit.preflight import preflight
+    from mcit.rundir import RunDirError
+
+    def cfg(**method):
+        return load_config(tiny_config(assets, tmp_path, "star_zoo", method={
+            "name": "star_prompt", "clip_path": str(clip_backbone), **method},
+            backbone={"cache_dir": str(tmp_path / "cache")}))
+
+    plan = preflight(cfg(clip_tag="tiny_clip"))
+    rec = plan.auxiliary["clip"].record
+    assert rec["tag"] == "tiny_clip" and rec["sha256"] == Z.sha256_path(clip_backbone)
+    assert plan.backbone_records()["auxiliary"]["clip"] == rec
+    # loaded once per process: every rebuild of the method (after each train stage) gets the same CLIP
+    from mcit.lifecycle import MethodHost
+
+    host = MethodHost(plan)
+    first = host.build().clip
+    assert host.load(host.method.state_dict()).clip is first and host.auxiliary == {"clip": first}
+    with pytest.raises(ConfigError, match=r"method.clip_path: .*does not match backbone tag 'clip_vitl14_openai'"):
+        preflight(cfg(clip_tag="clip_vitl14_openai"))
+    from mcit.config import dump_config
+
+    run = tmp_path / "runs" / "star_zoo"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text(dump_config(cfg(clip_tag="tiny_clip")))
+    (run / "backbone.json").write_text(json.dumps({**plan.backbone_records(),
+                                                   "auxiliary": {"clip": {**rec, "sha256": "0" * 64}}}))
+    with pytest.raises(RunDirError, match=r"method.clip_path checkpoint .* is not the one run .* started with"):
+        preflight(cfg(clip_tag="tiny_clip"))
