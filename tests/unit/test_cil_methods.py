@@ -30,7 +30,7 @@ SMALL = {
     "l2p+soft_tf": {"pool_size": 6, "top_k": 3, "prompt_length": 2},
     "l2p+soft_tf:gradient_id": {"pool_size": 6, "top_k": 3, "prompt_length": 2, "task_inference": "gradient_id"},
 }
-CLIP_ONLY = {"clip_zero_shot", "star_prompt"}  # need the tiny CLIP: covered by tests/test_clip_methods.py
+CLIP_ONLY = {"clip_zero_shot", "star_prompt"}  # need the tiny CLIP: covered by tests/unit/test_clip_methods.py
 
 
 def _cil_methods() -> list[str]:

@@ -1,5 +1,5 @@
 """Sweeps: seeds x task orders x settings expand to ordinary, validated run directories; bad specs fail in
-one line. (Launched sweeps: tests/launch/test_sweep.py; the Slurm array: tests/launch/test_slurm.py.)"""
+one line. (Launched sweeps: tests/launch/test_sweep_launch.py; the Slurm array: tests/launch/test_slurm.py.)"""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """2-rank worker: train Fwd-Prompt a few steps under DeepSpeed with a fixed old-task basis and report
-how much of the applied prompt update leaks into the protected subspace (run by test_mcit.py)."""
+how much of the applied prompt update leaks into the protected subspace (run by tests/launch/test_mcit_pipeline.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Worker (1 or 2 ranks): initialise the group as the pipeline does, use DeepSpeed's CPU allreduce, and report
 whether this rank's shm workspace is still in /dev/shm while the process lives (run by
-test_distributed.py)."""
+tests/launch/test_shm_workspace.py)."""
 
 from __future__ import annotations
 
