@@ -77,6 +77,7 @@ def init(timeout_s: float = 1800.0) -> None:
     """Initialise the default process group from launcher environment variables (idempotent)."""
     if dist.is_initialized():
         return
+    default_accelerator()  # before DeepSpeed is imported: its own probing costs tens of seconds on CPU machines
     prepare_extension_dir()
     if "RANK" not in os.environ and "SLURM_STEP_ID" in os.environ and int(os.environ.get("SLURM_NTASKS", 1)) > 1:
         _from_srun()

@@ -50,6 +50,12 @@ def sequence():
     return TaskSequence.from_label_spaces(["t0", "t1", "t2"], [[3, 7], [1, 2], [0, 9]])
 
 
+def pytest_configure(config) -> None:
+    from mcit.distributed import default_accelerator
+
+    default_accelerator()  # as the entry points do: DeepSpeed's accelerator probing is slow on CPU machines
+
+
 def built_once(tmp_path_factory, name: str, build) -> Path:
     """``build(directory)`` once per test session, however many xdist workers ask (the first one builds
     under a file lock, the others wait and reuse the finished directory)."""
