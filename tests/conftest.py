@@ -156,6 +156,23 @@ def launch(args: list[str], launcher: str = "python", nproc: int = 1, timeout: i
                           timeout=timeout)
 
 
+def run_main(args: list[str], entry: str = "run_task_sequence") -> subprocess.CompletedProcess:
+    """``pipelines/<entry>.py ARGS`` through its ``main(argv)`` in this process, for runs that must stop in
+    pre-flight (before any process group exists); exit status and output come back as from ``launch``."""
+    import contextlib
+    import importlib
+    import io
+
+    main = importlib.import_module(f"pipelines.{entry}").main
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = main(list(args))
+        except SystemExit as e:  # argparse's usage errors
+            rc = e.code if isinstance(e.code, int) else 1
+    return subprocess.CompletedProcess([entry, *args], rc, out.getvalue(), err.getvalue())
+
+
 @pytest.fixture(scope="session")
 def mcit_assets(tmp_path_factory) -> dict[str, Path]:
     """A small embedded MCIT benchmark and a briefly instruction-tuned tiny LLaVA (seconds, not minutes)."""

@@ -9,7 +9,8 @@ from raw_formats import cifar_raw, convert, convert_instruction_sets, cub_raw, d
 
 
 def _train(assets, tmp_path, root, name, tasks):
-    cfg = tiny_config(assets, tmp_path, name, data={"root": str(root), "tasks": tasks},
+    data = {"tasks": tasks, **({"root": str(root)} if root else {})}
+    cfg = tiny_config(assets, tmp_path, name, data=data,
                       train={"epochs": 1, "deepspeed_config": "deepspeed_configs/cpu.json"})
     res = launch(["--config", str(cfg)], launcher="python")
     assert res.returncode == 0, res.stderr[-3000:]
@@ -28,6 +29,7 @@ def test_converted_cifar_task_trains_through_the_pipeline(assets, tmp_path):
 
 
 def test_converted_image_folder_benchmarks_train(assets, tmp_path):
+    """A task of each converted image-folder benchmark (ImageNet-R, DomainNet, CUB-200) in one sequence."""
     raw = tmp_path / "raw"
     imagenet_r_raw(raw / "inr")
     domainnet_raw(raw / "dn")
@@ -37,8 +39,10 @@ def test_converted_image_folder_benchmarks_train(assets, tmp_path):
                       raw / "dn" / "sdomain_test.txt", "--out", tmp_path / "dn", "--classes-per-task", 2),
               convert("cub200", "--raw", raw / "cub", "--out", tmp_path / "cub", "--classes-per-task", 2)):
         assert r.returncode == 0, r.stderr
-    for name in ("inr", "dn", "cub"):
-        _train(assets, tmp_path, tmp_path / name, name, ["task0"])
+    tasks = [{"name": n, "train": str(tmp_path / n / "task0" / "train"), "test": str(tmp_path / n / "task0" / "test")}
+             for n in ("inr", "dn", "cub")]
+    m = _train(assets, tmp_path, None, "folders", tasks)
+    assert m["test_counts"][1] == 2 * 2 * 1  # DomainNet: 2 classes x 2 domains x 1 test image
 
 
 def test_converted_instruction_sets_train(mcit_assets, tmp_path):

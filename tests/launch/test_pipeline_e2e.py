@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import EVALUATE, FAULTY, launch, tiny_config
+from conftest import EVALUATE, FAULTY, launch, run_main, tiny_config
 
 METRIC_KEYS = {"tasks", "acc_matrix", "final_avg_acc", "final_avg_acc_task_mean", "avg_incremental_acc",
                "forgetting", "bwt", "fwd"}
@@ -292,7 +292,7 @@ def test_bad_input_stops_with_one_line_and_keeps_run_dir(case, assets, work, unf
     cfg, run_dir = unfinished_run_dir
     overrides, expected = _bad_input_case(case, assets, work, run_dir)
     before = snapshot(run_dir)
-    res = launch(["--config", str(cfg), *overrides], launcher="python")
+    res = run_main(["--config", str(cfg), *overrides])  # stops in pre-flight: the entry point's main, in-process
     assert res.returncode == 2
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
@@ -303,7 +303,7 @@ def test_bad_input_stops_with_one_line_and_keeps_run_dir(case, assets, work, unf
 def test_different_config_against_existing_run_dir_is_refused(reference_run):
     cfg, run_dir, _ = reference_run
     before = snapshot(run_dir)
-    res = launch(["--config", str(cfg), "train.lr=0.5"], launcher="python")
+    res = run_main(["--config", str(cfg), "train.lr=0.5"])
     assert res.returncode == 2
     assert "holds a run with a different config" in res.stderr and str(run_dir) in res.stderr
     assert snapshot(run_dir) == before

@@ -18,20 +18,21 @@ def _sweep(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
 
 
 def test_local_sweep_runs_every_point_through_deepspeed_and_aggregates(assets, tmp_path):
-    """2 methods x 2 seeds x 2 class orders on the embedded digits benchmark (tiny ViT, 2 tasks, 1 epoch),
-    each run through the DeepSpeed launcher. Then the same sweep plus a config that cannot run: only
-    that point runs, fails, is listed with its exit code and log, and the sweep exits 1."""
-    spec = sweep_spec(assets, tmp_path)
+    """2 methods x 2 seeds on a seeded class order of the embedded digits benchmark (tiny ViT, 2 tasks, 1
+    epoch), each run through the DeepSpeed launcher (the 8 points of 2 x 2 x 2 orders run as a Slurm job
+    array in tests/launch/test_slurm.py). Then the same sweep plus a config that cannot run: only that
+    point runs, fails, is listed with its exit code and log, and the sweep exits 1."""
+    spec = sweep_spec(assets, tmp_path, orders=[1])
     r = _sweep("--spec", str(spec), "--launch", "deepspeed", "--nproc", "1")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "8 points, 0 finished, 8 to run (deepspeed" in r.stdout
+    assert "4 points, 0 finished, 4 to run (deepspeed" in r.stdout
     out = tmp_path / "sweep"
-    agg = check_aggregate_against_runs(out, 8)
+    agg = check_aggregate_against_runs(out, 4)
     assert {g["config"] for g in agg["groups"]} == {"l2p", "vpt_nsp2"}
-    assert all(g["n"] == 4 and g["seeds"] == [0, 1] and g["orders"] == ["0", "1"] for g in agg["groups"])
+    assert all(g["n"] == 2 and g["seeds"] == [0, 1] and g["orders"] == ["1"] for g in agg["groups"])
     for f in ("aggregate.md", "aggregate.csv", "points.csv", "task_accuracy.png", "first_task_loss.png"):
         assert (out / f).is_file(), f
-    assert "| l2p | l2p | tiny_test_vit | default | 4 |" in r.stdout
+    assert "| l2p | l2p | tiny_test_vit | default | 2 |" in r.stdout
     m = json.loads((out / "runs" / "vpt_nsp2__s1_o1" / "metrics.json").read_text())
     assert m["meta"]["order_unit"] == "class" and len(m["first_task_loss"]) == 2
     assert all(np.isfinite(m["first_task_loss"]))
@@ -40,12 +41,12 @@ def test_local_sweep_runs_every_point_through_deepspeed_and_aggregates(assets, t
                       backbone={"kind": "vit", "path": str(tmp_path / "no_such_backbone"), "tag": "x"})
     # options on the command line replace the spec's (grid keys and --set add to it)
     again = _sweep("--spec", str(spec), "--config", str(tmp_path / "l2p.yaml"), "--config", str(bad),
-                   "--seeds", "0", "--orders", "0", "--launch", "deepspeed", "--nproc", "1")
+                   "--seeds", "0", "--orders", "1", "--launch", "deepspeed", "--nproc", "1")
     assert again.returncode == 1, again.stdout[-3000:] + again.stderr[-3000:]
-    assert "2 points, 1 finished, 1 to run" in again.stdout and "broken__s0_o0: FAILED (exit 2" in again.stdout
+    assert "2 points, 1 finished, 1 to run" in again.stdout and "broken__s0_o1: FAILED (exit 2" in again.stdout
     agg = json.loads((out / "aggregate.json").read_text())
-    assert [f["point"] for f in agg["failed"]] == ["broken__s0_o0"] and agg["failed"][0]["reason"] == "exit 2"
-    assert "no_such_backbone" in (out / "logs" / "broken__s0_o0.log").read_text()
+    assert [f["point"] for f in agg["failed"]] == ["broken__s0_o1"] and agg["failed"][0]["reason"] == "exit 2"
+    assert "no_such_backbone" in (out / "logs" / "broken__s0_o1.log").read_text()
     assert "## Points that did not finish" in (out / "aggregate.md").read_text()
     l2p = next(g for g in agg["groups"] if g["config"] == "l2p")
     assert l2p["n"] == 1 and l2p["metrics"]["final_avg_acc"]["std"] is None  # one run: no std

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, mcit_config, run_main
 from raw_formats import convert
 from mcit import scorers as S
 from mcit.subspace import energy_basis, project_out, token_covariance
@@ -284,3 +284,17 @@ def test_qwen2_vl_backbone_mrope_prompts_and_own_greedy_loop(mcit_assets, tmp_pa
     assert m.generate(collate(samples), 3) == [m.generate(collate([s]), 3)[0] for s in samples]
 
 
+def test_bad_mcit_inputs_fail_fast_with_one_line(mcit_assets, assets, tmp_path):
+    """Through the entry point's main (in-process: these stop in pre-flight, before any process group)."""
+    cfg = mcit_config(mcit_assets, tmp_path, "noref", data={"reference": None})
+    r = run_main(["--config", str(cfg)])
+    assert r.returncode == 2 and "data.reference" in r.stderr.strip().splitlines()[-1]
+    cfg = mcit_config(mcit_assets, tmp_path, "wrongdata", data={"root": str(assets["shards"]), "tasks": ["task0"]})
+    r = run_main(["--config", str(cfg)])
+    assert r.returncode == 2 and "classification samples" in r.stderr.strip().splitlines()[-1]
+    cfg = mcit_config(mcit_assets, tmp_path, "badscorer", data={"tasks": [
+        {"name": "colour", "train": str(mcit_assets["shards"] / "colour" / "train"),
+         "test": str(mcit_assets["shards"] / "colour" / "test"), "scorer": "bleu"}]})
+    r = run_main(["--config", str(cfg)])
+    assert r.returncode == 2 and "unknown scorer 'bleu'" in r.stderr
+    assert not (tmp_path / "runs").exists()
