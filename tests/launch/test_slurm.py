@@ -174,13 +174,14 @@ def test_evaluate_under_srun_on_two_nodes_reproduces_the_rows(slurm, one_node_ru
 
 
 def test_sweep_runs_as_a_job_array_and_resubmits_only_unfinished_points(slurm, assets, tmp_path_factory):
-    """2 methods x 2 seeds x 2 class orders as one array job (``%2`` throttle) of
-    pipelines/slurm/sweep_array.sbatch; the table equals the mean / std recomputed from the runs; one
-    point's run is then removed and the same command submits an array of exactly that point."""
+    """L2P x 2 seeds x 2 class orders as one array job (``%2`` throttle) of pipelines/slurm/sweep_array.sbatch
+    (two methods, one group each, are covered by the local sweep in test_sweep_launch.py); the table equals
+    the mean / std recomputed from the runs; one point's run is then removed and the same command submits
+    an array of exactly that point."""
     from conftest import check_aggregate_against_runs, sweep_spec
 
     tmp = tmp_path_factory.mktemp("slurm_sweep")
-    spec = sweep_spec(assets, tmp)
+    spec = sweep_spec(assets, tmp, configs=[str(tmp / "l2p.yaml")])
     cmd = [sys.executable, "-m", "pipelines.sweep", "--spec", str(spec), "--launch", "slurm", "--throttle", "2", "--wait"]
     # each array task starts its point with torchrun (the scripts' other launcher; the deepspeed one is
     # covered above and by the local sweep): one interpreter fewer per point on these 2 cores
@@ -189,17 +190,17 @@ def test_sweep_runs_as_a_job_array_and_resubmits_only_unfinished_points(slurm, a
     out = tmp / "sweep"
     logs = "".join(p.read_text() for p in sorted((out / "logs").glob("slurm-*.out")))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:] + logs[-3000:]
-    job = re.search(r"submitted array job (\d+) \(8 points, --array=0-7%2\)", r.stdout)
+    job = re.search(r"submitted array job (\d+) \(4 points, --array=0-3%2\)", r.stdout)
     assert job, r.stdout
     arrays = sorted(out.glob("logs/slurm-*_*.out"))
-    assert len(arrays) == 8 and all("mcit: run finished" in p.read_text() for p in arrays)
-    assert f"array task {job.group(1)}_7:" in logs and "launcher torchrun" in logs
-    agg = check_aggregate_against_runs(out, 8)
-    assert all(g["n"] == 4 for g in agg["groups"])
+    assert len(arrays) == 4 and all("mcit: run finished" in p.read_text() for p in arrays)
+    assert f"array task {job.group(1)}_3:" in logs and "launcher torchrun" in logs
+    agg = check_aggregate_against_runs(out, 4)
+    assert [(g["n"], g["seeds"], g["orders"]) for g in agg["groups"]] == [(4, [0, 1], ["0", "1"])]
     # re-submission: only the point whose run is gone
     shutil.rmtree(out / "runs" / "l2p__s1_o1")
     again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
-    assert re.search(r"submitted array job \d+ \(1 points, --array=0-0%2\); 7 already finished", again.stdout)
-    check_aggregate_against_runs(out, 8)
+    assert re.search(r"submitted array job \d+ \(1 points, --array=0-0%2\); 3 already finished", again.stdout)
+    check_aggregate_against_runs(out, 4)
     print("\n" + (out / "aggregate.md").read_text())

@@ -19,9 +19,9 @@ def _sweep(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
 
 def test_local_sweep_runs_every_point_through_deepspeed_and_aggregates(assets, tmp_path):
     """2 methods x 2 seeds on a seeded class order of the embedded digits benchmark (tiny ViT, 2 tasks, 1
-    epoch), each run through the DeepSpeed launcher (the 8 points of 2 x 2 x 2 orders run as a Slurm job
-    array in tests/launch/test_slurm.py). Then the same sweep plus a config that cannot run: only that
-    point runs, fails, is listed with its exit code and log, and the sweep exits 1."""
+    epoch), each run through the DeepSpeed launcher (seeds x class orders also run as a Slurm job array in
+    tests/launch/test_slurm.py). Then the same sweep plus a config that cannot run: only that point runs,
+    fails, is listed with its exit code and log, and the sweep exits 1."""
     spec = sweep_spec(assets, tmp_path, orders=[1])
     r = _sweep("--spec", str(spec), "--launch", "deepspeed", "--nproc", "1")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
