@@ -7,15 +7,20 @@ Three parts, all per sample at inference:
     widths ``tii_mlp`` x D) trained with the current task's classes; its predicted class gives the task,
     whose E-prompt is then used;
   * within-task prediction (WTP): one E-prefix per task (prefix tuning on ``e_layers``, default 0-4)
-    and a linear head on the prompted [CLS] feature. From task 1 on the trained prompt is
-    (1 - m) P_t + m mean(P_0..P_{t-1}) (prompt momentum m, applied in training and kept after it);
+    and a linear head on the prompted [CLS] feature. Task t > 0's prompt starts as a copy of task
+    t-1's (the official engine's hand-over, ``shared_prompt_pool``). From task 1 on the prompt the
+    forward reads in training is (1 - m) P_t + m mean(P_0..P_{t-1}) (prompt momentum m), and the same
+    mix is written into P_t after training; the class statistics then read the stored P_t as it is
+    (the official ``_compute_mean`` calls the model with momentum 0);
     the contrastive regulariser ``reg`` pulls each feature to itself and away from the stored class
     means of earlier tasks (temperature 0.8, the official ``orth_loss``);
   * task-adaptive prediction (TAP): after each task t > 0 both heads are re-trained on samples drawn
     from stored per-class Gaussians (mean and covariance, or the diagonal with ``ca_storage:
     variance``) of every class seen so far: the TII head on frozen features, the WTP head on
-    prompted features (each class through its own task's prompt). SGD, momentum 0.9, weight decay
-    5e-4, cosine schedule, as the official code.
+    prompted features (each class through its own task's prompt). SGD, momentum 0.9, cosine
+    schedule, weight decay ``ca_weight_decay`` = 0: the official optimizer is built with 5e-4, but
+    its parameter group sets ``args.weight_decay``, which is 0.0 in the official runs (``--weight-decay``,
+    default 0.0, is declared before ``--weight_decay`` and argparse keeps the first default).
 
 The class statistics come from the pipeline's subspace stage (summed over ranks; rank 0 fits the
 Gaussians and runs TAP, seeded, then the state is broadcast). Differences from the official code,
@@ -55,6 +60,8 @@ class HiDePromptParams(MethodParams):
     ca_epochs: int = Field(30, ge=0, description="TAP epochs after each task > 0 (0 disables TAP)")
     ca_lr: float = Field(0.005, gt=0)
     ca_batch_size: int = Field(24, ge=1, description="TAP draws 5x this per class and epoch (TII: 1x)")
+    ca_weight_decay: float = Field(0.0, ge=0, description="TAP's SGD weight decay (official runs: 0.0)")
+    shared_prompt_pool: bool = Field(True, description="task t's E-prompt starts as task t-1's (official default)")
     train_mask: bool = True
 
 
@@ -123,6 +130,12 @@ class HiDePrompt(Method):
             p = (1 - m) * p + m * self.e_prompt[:, :, :task].detach().mean(dim=2)
         return p.unsqueeze(1).expand(-1, batch, -1, -1, -1, -1)
 
+    def before_task(self, task: int) -> None:
+        super().before_task(task)
+        if task > 0 and self.params.shared_prompt_pool:
+            with torch.no_grad():  # the official hand-over (a resumed task reloads its own prompt afterwards)
+                self.e_prompt[:, :, task] = self.e_prompt[:, :, task - 1]
+
     def after_task(self, task: int) -> None:
         m = self.params.prompt_momentum
         if task > 0 and m > 0:
@@ -188,9 +201,9 @@ class HiDePrompt(Method):
         classes = torch.tensor(self.sequence.tasks[t].classes, device=y.device)
         onehot = (y.unsqueeze(1) == classes.unsqueeze(0)).double()  # (B, C_t)
         out = {"n": onehot.sum(0)}
-        feats = {"frozen": self.backbone.cls_features(x),
-                 "prompted": self.prompted_features(x, self._train_prefix(t, x.shape[0]) if x.shape[0] else
-                                                    self.e_prompt[:, :, :0])}
+        # the stored prompt as after_task left it (momentum already mixed in; not applied again)
+        prefix = self.e_prompt[:, :, t].unsqueeze(1).expand(-1, x.shape[0], -1, -1, -1, -1)
+        feats = {"frozen": self.backbone.cls_features(x), "prompted": self.prompted_features(x, prefix)}
         for kind, f in feats.items():
             out[f"{kind}_sum"], out[f"{kind}_outer"] = class_moments(onehot, f, self.params.ca_storage == "covariance")
         return out
@@ -213,7 +226,8 @@ class HiDePrompt(Method):
         """The official train_task_adaptive_prediction: SGD on Gaussian samples of every seen class."""
         dev = self.seen.device
         module.train()
-        opt = torch.optim.SGD(module.parameters(), lr=self.params.ca_lr, momentum=0.9, weight_decay=5e-4)
+        opt = torch.optim.SGD(module.parameters(), lr=self.params.ca_lr, momentum=0.9,
+                              weight_decay=self.params.ca_weight_decay)
         steps = sum(len(self.sequence.tasks[i].classes) for i in range(task))  # the official crct_num
         allowed = self.seen.to(dev)
         factors = gaussian_factors(getattr(self, f"{kind}_mean"), getattr(self, f"{kind}_cov"),

@@ -8,7 +8,9 @@ as the official scripts) and ``activation`` sigmoid (default), tanh or GELU; the
 and the block's own (pre-trained) scores share one softmax. The official NoRGa_Attention computes
 exactly this (``prompt_attn + gate_act(prompt_attn * act_scale[0]) * act_scale[1]``).
 ``gate: false`` is the paper's "without the gate" ablation: plain prefix scores (HiDe-Prompt's), and
-alpha, tau are neither used nor trained.
+alpha, tau are neither used nor trained. As in the official engine (``act_scale.requires_grad_(False)``
+from task 1 on) alpha and tau are trained with the first task's prompt only and then shared, frozen, by
+every task; ``gate_trainable: all_tasks`` keeps training them (a gate that drifts under old tasks).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class NoRGaParams(HiDePromptParams):
     tau_init: float = 1.0
     alpha_init: float = 1.0
     gate: bool = True
+    gate_trainable: Literal["first_task", "all_tasks"] = "first_task"
 
 
 @METHODS.register("norga")
@@ -45,6 +48,12 @@ class NoRGa(HiDePrompt):
         self.gate_tau = nn.Parameter(torch.full((n,), params.tau_init))
         self.gate_alpha = nn.Parameter(torch.full((n,), params.alpha_init), requires_grad=params.gate)
         self.gate_tau.requires_grad_(params.gate)
+
+    def before_task(self, task: int) -> None:
+        super().before_task(task)
+        train = self.params.gate and (task == 0 or self.params.gate_trainable == "all_tasks")
+        self.gate_tau.requires_grad_(train)
+        self.gate_alpha.requires_grad_(train)
 
     def param_groups(self) -> list[dict]:
         groups = super().param_groups()

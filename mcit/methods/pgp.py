@@ -10,7 +10,10 @@ and GPM's energy criterion (``mcit.subspace.energy_basis``: new directions until
 them hold ``prompt_threshold`` / ``key_threshold`` of the task's energy) grows an orthonormal basis
 U of each space. From the second task on every update of a prompt or key is confined to the
 orthogonal complement, dP <- dP - dP U U^T (DualPrompt: the key half of each prefix, in its block's
-basis), so old tasks' query-key matches and attention scores stay where they were.
+basis), so old tasks' query-key matches and attention scores stay where they were. L2P's prompt keys
+are projected in the query basis as in the official l2p-pgp engine; DualPrompt's E-prompt keys are not
+(the official dualprompt-pgp engine projects only the prefixes' key halves, so every task can still
+learn its own key); ``project_e_key: true`` projects them too.
 
 Differences from JingyangQiao/prompt-gradient-projection, and why: that code projects the raw
 gradient before Adam, which does not keep Adam's step in the complement (docs/architecture.md, "Known faults"), so the
@@ -103,6 +106,7 @@ class L2PPGP(PGPMixin, L2P):
 class DualPromptPGPParams(DualPromptParams):
     prompt_threshold: float = Field(0.50, gt=0, le=1)
     key_threshold: float = Field(0.97, gt=0, le=1)
+    project_e_key: bool = Field(False, description="also confine E-prompt key updates (not in the official code)")
 
 
 @METHODS.register("dualprompt+pgp")
@@ -132,7 +136,7 @@ class DualPromptPGP(PGPMixin, DualPrompt):
         return out
 
     def project_update(self, name: str, delta: torch.Tensor) -> torch.Tensor | None:
-        if name == "e_key" and int(self.pgp_key_rank):
+        if name == "e_key" and self.params.project_e_key and int(self.pgp_key_rank):
             return project_out(delta, self.key_basis().to(delta))
         if name not in ("e_prompt", "g_prompt"):
             return None

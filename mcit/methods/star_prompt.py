@@ -26,6 +26,9 @@ as trained (the next task starts from it), and from the second task on re-trains
 on samples of every seen class's mixture (logits divided by 0.1 x their norm; SGD,
 ``gr_second_lr``, ``gr_second_epochs`` + 5 per task) -- the head the evaluation uses.
 
+``gr_model: gaussian`` (the paper's ablation) replaces the second level's mixtures by one Gaussian per
+class; the first level keeps its ``mog_components`` mixture, as in the official code.
+
 Departures from the official code: the mixtures are fitted by scikit-learn's EM (the official gmm-torch
 port has a wrong diagonal log-likelihood, see ``fit_mixture``); inference is per sample (the official
 code is too); the images reach CLIP re-normalised for CLIP from the ViT's pixels (the official code
@@ -55,6 +58,9 @@ class STARPromptParams(MethodParams):
     clip_tokenizer: str | None = Field(None, description="clip_path an OpenAI file: a directory with its tokenizer")
     prompt_layers: list[int] | None = Field(None, description="ViT blocks with residual prompts; default all")
     confidence_modulation: bool = True
+    map_mask_gradient: Literal["all_current", "selected"] = Field(
+        "all_current", description="which classes' a_c the masked score map trains: every current class (the "
+                                   "official code: the mask is invisible to autograd) or only the selected one")
     # first level
     first_epochs: int | None = Field(None, ge=1, description="default: train.epochs")
     first_lr: float = Field(0.002, gt=0)
@@ -124,8 +130,9 @@ class STARPrompt(Method):
         self.head = nn.Linear(D, C)
         self.register_buffer("head_backup_w", torch.zeros(C, D))
         self.register_buffer("head_backup_b", torch.zeros(C))
-        K = params.mog_components if params.gr_model == "mog" else 1
-        for level, dim in (("1", E), ("2", D)):
+        # the official first level always replays a mixture; gr_model chooses the second level's
+        second_k = params.mog_components if params.gr_model == "mog" else 1
+        for level, dim, K in (("1", E, params.mog_components), ("2", D, second_k)):
             self.register_buffer(f"mog{level}_w", torch.zeros(C, K))
             self.register_buffer(f"mog{level}_mu", torch.zeros(C, K, dim))
             self.register_buffer(f"mog{level}_var", torch.ones(C, K, dim))
@@ -198,7 +205,12 @@ class STARPrompt(Method):
             maps = torch.cat([maps[:, :frozen].detach(), maps[:, frozen:]], dim=1)
         best = maps.argmax(dim=1, keepdim=True)
         keep = torch.zeros_like(maps, dtype=torch.bool).scatter_(1, best, True)
-        maps = maps.masked_fill(~keep, 0.0)
+        if self.params.map_mask_gradient == "all_current":
+            # the official in-place zeroing under no_grad: autograd never sees the mask, so the
+            # gradient of the masked map reaches every (current) class's a_c, not only the best one's
+            maps = maps - (maps * ~keep).detach()
+        else:
+            maps = maps.masked_fill(~keep, 0.0)
         if not self.params.confidence_modulation:
             maps = (maps != 0).to(maps.dtype)
         return maps

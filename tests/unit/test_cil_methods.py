@@ -238,6 +238,93 @@ def test_hide_prompt_statistics_tap_and_task_inference(backbone, sequence):
     assert torch.equal(m.infer_task(b), m.task_of_class[tii_class])
 
 
+def _hide_task(m, t, labels, g):
+    """One HiDe task as the pipeline runs it: hooks, one SGD step, after_task, statistics stage."""
+    m.before_task(t)
+    m.set_task(t)
+    b = Batch(torch.randn(12, 3, 16, 16, generator=g), torch.tensor(labels * 6), torch.ones(12), t)
+    out = m(b)
+    (out.per_sample.mean() + out.regularizer).backward()
+    with torch.no_grad():
+        m.e_prompt -= 0.5 * m.e_prompt.grad
+    m.e_prompt.grad = None
+    m.after_task(t)
+    return b
+
+
+@pytest.mark.parametrize("name", ["hide_prompt", "norga"])
+def test_hide_prompt_hands_the_previous_prompt_over_to_the_next_task(name, backbone, sequence):
+    """The official engines copy task t-1's E-prompt into task t's slot before training task t
+    (shared_prompt_pool, on by default); switched off, task t starts from its own initial prompt."""
+    for shared in (True, False):
+        torch.manual_seed(5)
+        m = _build(name, backbone, sequence, shared_prompt_pool=shared)
+        _hide_task(m, 0, [3, 4], torch.Generator().manual_seed(0))
+        initial = m.e_prompt[:, :, 1].detach().clone()
+        m.before_task(1)
+        expected = m.e_prompt[:, :, 0] if shared else initial
+        assert torch.equal(m.e_prompt[:, :, 1], expected)
+        assert not torch.equal(m.e_prompt[:, :, 0], initial)
+
+
+def test_hide_prompt_class_statistics_read_the_stored_prompt(backbone, sequence):
+    """after_task writes (1 - m) P_t + m mean(P_<t) into P_t once; the class statistics (official
+    ``_compute_mean``: momentum 0) are the features of that stored prompt, not the mix applied again."""
+    torch.manual_seed(5)
+    m = _build("hide_prompt", backbone, sequence, prompt_momentum=0.5, ca_epochs=0)
+    g = torch.Generator().manual_seed(0)
+    _hide_task(m, 0, [3, 4], g)
+    m.before_task(1)
+    m.set_task(1)
+    b = Batch(torch.randn(12, 3, 16, 16, generator=g), torch.tensor([1, 2] * 6), torch.ones(12), 1)
+    with torch.no_grad():
+        m.e_prompt[:, :, 1] += torch.randn_like(m.e_prompt[:, :, 1])  # task 1 moved away from task 0
+        trained = m.e_prompt[:, :, 1].clone()
+    m.after_task(1)
+    mix = 0.5 * trained + 0.5 * m.e_prompt[:, :, 0]
+    assert torch.allclose(m.e_prompt[:, :, 1], mix)  # momentum applied once, in place
+    with torch.no_grad():
+        stats = m.statistics(b)
+        prefix = mix.unsqueeze(1).expand(-1, 12, -1, -1, -1, -1)
+        feats = m.prompted_features(b.pixel_values, prefix)
+    expected = torch.stack([feats[b.labels == c].sum(0) for c in (1, 2)]).double()
+    assert torch.allclose(stats["prompted_sum"], expected, atol=1e-4)
+
+
+def test_hide_prompt_task_adaptive_prediction_has_no_weight_decay_by_default(backbone, sequence):
+    """The official TAP parameter group carries args.weight_decay = 0.0 (it overrides the optimizer's
+    5e-4): the default equals an explicit 0, and 5e-4 gives another head."""
+    heads = {}
+    for wd in (None, 0.0, 5e-4):
+        torch.manual_seed(5)
+        m = _build("hide_prompt", backbone, sequence, **({} if wd is None else {"ca_weight_decay": wd}))
+        g = torch.Generator().manual_seed(0)
+        for t, labels in enumerate(([3, 4], [1, 2])):
+            b = _hide_task(m, t, labels, g)
+            with torch.no_grad():
+                m.finalize_statistics(m.statistics(b), t)
+        heads[wd] = m.head.weight.detach().clone()
+    assert torch.equal(heads[None], heads[0.0]) and not torch.allclose(heads[None], heads[5e-4])
+
+
+def test_norga_gate_trains_on_the_first_task_only(backbone, sequence):
+    """The official NoRGa engine freezes act_scale (tau, alpha) from task 1 on: task 0 trains it, later
+    tasks neither differentiate nor hand it to the optimizer; ``gate_trainable: all_tasks`` keeps it."""
+    for mode in ("first_task", "all_tasks"):
+        m = _build("norga", backbone, sequence, gate_trainable=mode)
+        for t in (0, 1, 2):
+            m.before_task(t)
+            m.set_task(t)
+            trains = t == 0 or mode == "all_tasks"
+            names = {n for g in m.param_groups() for p in g["params"] if p.requires_grad
+                     for n, q in m.named_parameters() if q is p}
+            assert ({"gate_tau", "gate_alpha"} <= names) == trains, (mode, t, names)
+            b = Batch(torch.randn(4, 3, 16, 16), torch.tensor(list(sequence.tasks[t].classes) * 2), torch.ones(4), t)
+            m(b).per_sample.sum().backward()
+            assert (m.gate_tau.grad is not None) == trains
+            m.zero_grad(set_to_none=True)
+
+
 def test_norga_gate_rewrites_only_prefix_scores(backbone, sequence):
     m = _build("norga", backbone, sequence)
     with torch.no_grad():
@@ -270,7 +357,13 @@ def test_pgp_confines_updates_to_the_complement_of_old_features(name, backbone, 
     key_name, prompt_name = ("prompt_key", "prompt") if name == "l2p+pgp" else ("e_key", "e_prompt")
     params = dict(m.named_parameters())
     dk = m.project_update(key_name, torch.randn_like(params[key_name]))
-    assert (dk @ m.key_basis()).abs().max() < 1e-4
+    if name == "l2p+pgp":
+        assert (dk @ m.key_basis()).abs().max() < 1e-4
+    else:  # the official dualprompt-pgp engine leaves E-prompt keys free; project_e_key confines them
+        assert dk is None
+        m.params.project_e_key = True
+        dk = m.project_update(key_name, torch.randn_like(params[key_name]))
+        assert (dk @ m.key_basis()).abs().max() < 1e-4
     dp = m.project_update(prompt_name, torch.randn_like(params[prompt_name]))
     if name == "l2p+pgp":
         assert (dp @ m.prompt_basis(0)).abs().max() < 1e-4

@@ -270,3 +270,43 @@ def test_star_prompt_clip_goes_through_the_zoo_and_guards_resume(assets, clip_ba
                                                    "auxiliary": {"clip": {**rec, "sha256": "0" * 64}}}))
     with pytest.raises(RunDirError, match=r"method.clip_path checkpoint .* is not the one run .* started with"):
         preflight(cfg(clip_tag="tiny_clip"))
+
+
+@pytest.mark.parametrize("mode", ["all_current", "selected"])
+def test_star_prompt_score_mask_gradient_reaches_every_current_class(mode, vit, clip, clip_backbone, digits_sequence):
+    """The official second stage zeroes the non-selected scores in place under no_grad, so the masking is
+    invisible to autograd: from one image, every current class's modulation vector a_c gets a gradient
+    (earlier classes' none). ``map_mask_gradient: selected`` trains the selected class's a_c only."""
+    m = _star(vit, clip, clip_backbone, digits_sequence, map_mask_gradient=mode)
+    past, cur = list(digits_sequence.tasks[0].classes), list(digits_sequence.tasks[1].classes)
+    g = torch.Generator().manual_seed(2)
+    b = _batch(1, seed=3, task=1, classes=cur)
+    with torch.no_grad():  # keys that make a current class the best one (past keys point away from the query)
+        q = torch.nn.functional.normalize(m.clip_query(b.pixel_values)[0], dim=-1)
+        noise = 0.3 * torch.randn(len(past + cur), m.keys.shape[1], generator=g)
+        sign = torch.tensor([-1.0] * len(past) + [1.0] * len(cur))[:, None]
+        m.keys[past + cur] = torch.nn.functional.normalize(sign * q + noise, dim=-1)
+    m.seen[past] = True
+    m.set_task(1)
+    m.set_phase("second")
+    m.before_task(1)  # restores the head from its (here untouched, zero) backup: give it weights
+    with torch.no_grad():
+        m.head.weight.copy_(torch.randn(m.head.weight.shape, generator=g))
+    out = m(b)
+    (out.per_sample.mean() + out.regularizer).backward()
+    for layer in m.layers:
+        rows = getattr(m, f"a_{layer}").grad.abs().sum(dim=1)
+        assert rows[past].eq(0).all()
+        assert int(rows[cur].gt(0).sum()) == (len(cur) if mode == "all_current" else 1), (layer, rows[cur])
+
+
+def test_star_prompt_gaussian_replay_keeps_the_first_levels_mixture(vit, clip, clip_backbone, digits_sequence):
+    """``gr_model: gaussian`` is a second-level ablation: the first level still fits mog_components."""
+    m = _star(vit, clip, clip_backbone, digits_sequence, gr_model="gaussian", mog_components=3)
+    assert m.mog1_w.shape[1] == 3 and m.mog2_w.shape[1] == 1
+    classes = list(digits_sequence.tasks[0].classes)
+    m.set_task(0)
+    m.set_phase("first")
+    b = _batch(12, seed=0, task=0, classes=classes)
+    m.finalize_statistics(m.statistics(b), 0)
+    assert m.mog1_w[classes].gt(0).sum(dim=1).eq(3).all()
