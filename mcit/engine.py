@@ -105,14 +105,15 @@ class JsonlLogger:
             self.tb.close()
 
 
-StepCallback = Callable[[int, int], None]
+StepCallback = Callable[[int, int, Any], None]
 _step_callbacks: list[StepCallback] = []
 
 
 def on_optimizer_step(fn: StepCallback) -> StepCallback:
-    """Register ``fn(task, global_step)``, called on every rank after each optimizer step (after the step
-    checkpoint, before the preemption check). Nothing registers one in a normal run; tests use it to
-    kill or signal ranks at an exact step (tests/launch/workers/faulty_run.py)."""
+    """Register ``fn(task, global_step, engine)``, called on every rank after each optimizer step (after the
+    step checkpoint, before the preemption check). Nothing registers one in a normal run; tests use it to
+    kill or signal ranks at an exact step (tests/launch/workers/faulty_run.py) and to read the weights the
+    next forward will use (tests/launch/workers/zero_equivalence.py)."""
     _step_callbacks.append(fn)
     return fn
 
@@ -145,12 +146,16 @@ def _project_updates(method: Method, old: dict[str, torch.Tensor]) -> None:
         if full is not None:
             safe_set_full_fp32_param(p, value)  # the optimizer's master copy
         with torch.no_grad():
-            if hasattr(p, "ds_tensor"):  # ZeRO-3: p.data is empty; write this rank's partition
+            if hasattr(p, "ds_tensor"):  # ZeRO-3: write this rank's partition (the next gather reads it)
                 part = p.ds_tensor
                 n_part = part.numel()
                 start = n_part * _z3_partition_index(p)
                 flat = value.reshape(-1)[start:start + n_part].to(part.dtype)
                 part.data.view(-1)[: flat.numel()].copy_(flat)
+                if p.data.numel() == value.numel():
+                    # kept gathered (at most stage3_param_persistence_threshold elements, or still in use):
+                    # the step re-gathered the unprojected value into p.data, which the next forward reads
+                    p.data.copy_(value.to(p.dtype).view_as(p.data))
             else:
                 p.data.copy_(value.to(p.dtype).view_as(p.data))
 
@@ -321,7 +326,7 @@ class TaskTrainer:
                 if saved:
                     self._save_step(engine, step_dir, gstep, nxt_epoch, nxt, world)
                 for callback in _step_callbacks:
-                    callback(task, gstep)
+                    callback(task, gstep, engine)
                 if preemption.agreed(self.preempt_request):
                     if not saved:
                         self._save_step(engine, step_dir, gstep, nxt_epoch, nxt, world)

@@ -7,7 +7,10 @@ seen included); ``zero_shot[i]`` is the accuracy on task i before any training. 
   final_avg_acc_task_mean: the mean of the last row. Code bases report either; we report both.
 * avg_incremental_acc: mean over t of the task-mean accuracy on tasks 0..t after task t
   (and the sample-weighted variant).
-* forgetting (Chaudhry et al. 2018): mean over i < T-1 of max_{t in [i, T-2]} acc[t][i] - acc[T-1][i].
+* forgetting (Chaudhry et al. 2018): mean over i < T-1 of max_{t in [i, T-2]} acc[t][i] - acc[T-1][i];
+  negative when the last task improved an old one.
+* forgetting_mammoth: mammoth's ``utils.metrics.forgetting``, whose maximum runs over every row
+  including the last (t in [i, T-1]), so each task's term is clamped at 0: compare with mammoth's tables.
 * bwt (Lopez-Paz & Ranzato 2017): mean over i < T-1 of acc[T-1][i] - acc[i][i].
 * fwd (Lopez-Paz & Ranzato 2017): mean over i > 0 of acc[i-1][i] - zero_shot[i].
 """
@@ -36,9 +39,11 @@ def compute(acc: list[list[float]], counts: list[int], zero_shot: list[float] | 
     }
     if T > 1:
         out["forgetting"] = float(np.mean([a[i : T - 1, i].max() - a[T - 1, i] for i in range(T - 1)]))
+        out["forgetting_mammoth"] = float(np.mean([a[i:, i].max() - a[T - 1, i] for i in range(T - 1)]))
         out["bwt"] = float(np.mean([a[T - 1, i] - a[i, i] for i in range(T - 1)]))
     else:
         out["forgetting"] = 0.0
+        out["forgetting_mammoth"] = 0.0
         out["bwt"] = 0.0
     if zero_shot is not None and T > 1:
         z = np.asarray(zero_shot, dtype=float)

@@ -13,7 +13,8 @@ from pathlib import Path
 from mcit import metrics as M
 from mcit.rundir import RunDir
 
-KEYS = ["final_avg_acc", "final_avg_acc_task_mean", "avg_incremental_acc", "forgetting", "bwt", "fwd"]
+KEYS = ["final_avg_acc", "final_avg_acc_task_mean", "avg_incremental_acc", "forgetting", "forgetting_mammoth", "bwt",
+        "fwd"]
 
 
 def load(run_dir: Path) -> dict:

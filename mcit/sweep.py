@@ -45,7 +45,7 @@ from mcit.rundir import RunDir
 
 ROOT = Path(__file__).resolve().parent.parent
 METRICS = ["final_avg_acc", "final_avg_acc_task_mean", "avg_incremental_acc", "avg_incremental_acc_sample_weighted",
-           "forgetting", "bwt", "fwd"]
+           "forgetting", "forgetting_mammoth", "bwt", "fwd"]
 TABLE_METRICS = ["final_avg_acc", "avg_incremental_acc", "forgetting", "bwt", "fwd"]  # the Markdown table
 
 

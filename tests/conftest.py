@@ -1,6 +1,8 @@
 """Shared fixtures and helpers of the whole suite.
 
 Layout: ``tests/unit/`` runs in this process (marker ``unit``: ``pytest -m unit`` is the quick loop);
+``tests/reference/`` compares methods and metrics with numbers the official code produced (markers
+``reference`` and ``unit``);
 ``tests/launch/`` starts processes -- the pipeline under the DeepSpeed launcher, torchrun, srun, a
 localhost Slurm cluster (marker ``launch``). Every test gets its marker from its folder.
 
@@ -25,7 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 ENTRY = ROOT / "pipelines" / "run_task_sequence.py"
 EVALUATE = ROOT / "pipelines" / "evaluate.py"
 FAULTY = ROOT / "tests" / "launch" / "workers" / "faulty_run.py"  # ENTRY with a fault at a given step
-MARKERS = ("unit", "launch")  # declared in pyproject.toml; each test gets the one its folder is named after
+# declared in pyproject.toml; each test gets the markers of its folder (reference tests run in-process too)
+MARKERS = {"unit": ("unit",), "launch": ("launch",), "reference": ("unit", "reference")}
 
 
 @pytest.fixture(scope="module")
@@ -257,8 +260,7 @@ SLOW_FILES_FIRST = ("test_slurm.py", "test_sweep_launch.py", "test_pipeline_e2e.
 
 def pytest_collection_modifyitems(session, config, items) -> None:
     for item in items:
-        folder = item.path.parent.name
-        if folder in MARKERS:
-            item.add_marker(folder)
+        for marker in MARKERS.get(item.path.parent.name, ()):
+            item.add_marker(marker)
     rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order

@@ -58,7 +58,11 @@ class HiDePromptParams(MethodParams):
     tii_lr_scale: float = Field(1.0, gt=0, description="TII head lr / prompt lr")
     ca_storage: Literal["covariance", "variance"] = "covariance"
     ca_epochs: int = Field(30, ge=0, description="TAP epochs after each task > 0 (0 disables TAP)")
-    ca_lr: float = Field(0.005, gt=0)
+    ca_lr: float = Field(0.005, gt=0, description="TAP lr (the prompted head's alignment)")
+    tii_ca_epochs: int | None = Field(None, ge=0, description="TII head alignment epochs; default ca_epochs (the "
+                                                              "official TII run's crct_epochs)")
+    tii_ca_lr: float | None = Field(None, gt=0, description="TII head alignment lr; default ca_lr (the official TII "
+                                                            "run's ca_lr, which NoRGa's scales by batch / 256)")
     ca_batch_size: int = Field(24, ge=1, description="TAP draws 5x this per class and epoch (TII: 1x)")
     ca_weight_decay: float = Field(0.0, ge=0, description="TAP's SGD weight decay (official runs: 0.0)")
     shared_prompt_pool: bool = Field(True, description="task t's E-prompt starts as task t-1's (official default)")
@@ -215,27 +219,32 @@ class HiDePrompt(Method):
             getattr(self, f"{kind}_mean")[classes] = mean.to(self.head.weight.dtype).cpu().to(self.seen.device)
             getattr(self, f"{kind}_cov")[classes] = cov.to(self.head.weight.dtype).cpu().to(self.seen.device)
         self.seen[classes] = True
-        if task > 0 and self.params.ca_epochs > 0:
+        p = self.params
+        tii_epochs = p.ca_epochs if p.tii_ca_epochs is None else p.tii_ca_epochs
+        tii_lr = p.ca_lr if p.tii_ca_lr is None else p.tii_ca_lr
+        if task > 0:
             g = torch.Generator().manual_seed(int(self.init_seed) + 104729 * task)
-            self.ca_log = {
-                "tii_ca_loss": self._align(self.tii, "frozen", task, self.params.ca_batch_size, g),
-                "tap_loss": self._align(self.head, "prompted", task, 5 * self.params.ca_batch_size, g),
-            }
+            self.ca_log = {}
+            if tii_epochs > 0:
+                self.ca_log["tii_ca_loss"] = self._align(self.tii, "frozen", task, p.ca_batch_size, g, tii_lr, tii_epochs)
+            if p.ca_epochs > 0:
+                self.ca_log["tap_loss"] = self._align(self.head, "prompted", task, 5 * p.ca_batch_size, g, p.ca_lr,
+                                                      p.ca_epochs)
 
-    def _align(self, module: nn.Module, kind: str, task: int, per_class: int, g: torch.Generator) -> float:
+    def _align(self, module: nn.Module, kind: str, task: int, per_class: int, g: torch.Generator, lr: float,
+               epochs: int) -> float:
         """The official train_task_adaptive_prediction: SGD on Gaussian samples of every seen class."""
         dev = self.seen.device
         module.train()
-        opt = torch.optim.SGD(module.parameters(), lr=self.params.ca_lr, momentum=0.9,
-                              weight_decay=self.params.ca_weight_decay)
+        opt = torch.optim.SGD(module.parameters(), lr=lr, momentum=0.9, weight_decay=self.params.ca_weight_decay)
         steps = sum(len(self.sequence.tasks[i].classes) for i in range(task))  # the official crct_num
         allowed = self.seen.to(dev)
         factors = gaussian_factors(getattr(self, f"{kind}_mean"), getattr(self, f"{kind}_cov"),
                                    torch.nonzero(self.seen).flatten().tolist())
         loss = torch.zeros(())
-        for epoch in range(self.params.ca_epochs):
+        for epoch in range(epochs):
             for group in opt.param_groups:
-                group["lr"] = _cosine_lr(self.params.ca_lr, epoch, self.params.ca_epochs)
+                group["lr"] = _cosine_lr(lr, epoch, epochs)
             x, y = sample_classes(factors, per_class, g)
             perm = torch.randperm(len(y), generator=g)
             x, y = x[perm].to(dev), y[perm].to(dev)

@@ -2,8 +2,10 @@
 
 As in the paper and JH-LEE-KR/l2p-pytorch: a pool of ``pool_size`` prompts of length
 ``prompt_length``, each with a learnable key; the query is the frozen pre-trained [CLS] feature;
-the ``top_k`` keys with the highest cosine similarity select the prompts, which are prepended to the
-patch tokens; the head reads the mean of the prompt outputs; the loss is cross-entropy with the
+the ``top_k`` keys with the highest cosine similarity select the prompts, which are inserted between
+[CLS] and the patch tokens, each with the [CLS] token's position embedding added (the official code
+repeats the [CLS] entry of its position table over the prompt slots; ``prompt_position: none`` leaves
+it out, a fixed offset of the prompts' starting point); the head reads the mean of the prompt outputs; the loss is cross-entropy with the
 logits of classes outside the current task masked out, minus ``pull_coeff`` times the summed
 query-key similarity of the selected keys (the surrogate loss that pulls keys to their queries).
 
@@ -35,6 +37,8 @@ class L2PParams(MethodParams):
     pull_coeff: float = Field(0.1, ge=0, description="weight of the key-query pull (surrogate) loss")
     train_mask: bool = Field(True, description="mask the logits of classes outside the current task in training")
     head_type: Literal["prompt", "token", "token+prompt"] = "prompt"
+    prompt_position: Literal["cls", "none"] = Field(
+        "cls", description="position embedding of the prompt tokens: the [CLS] one (the official code) or none")
     batchwise_selection: bool = Field(
         False, description="official-code mode: one majority-voted prompt set per batch (batch-size dependent)"
     )
@@ -72,7 +76,7 @@ class L2P(Method):
         idx, sim = self.select(query)
         b = pixel_values.shape[0]
         prompts = self.prompt[idx].reshape(b, self.params.top_k * self.params.prompt_length, -1)
-        hidden = insert_prompts(self.backbone, pixel_values, prompts)
+        hidden = insert_prompts(self.backbone, pixel_values, prompts, self.params.prompt_position)
         feats = pool(hidden, prompts.shape[1], self.params.head_type)
         logits = self.head(feats.to(self.head.weight.dtype))
         return {"logits": logits, "selected_sim": sim.gather(1, idx).sum(dim=1), "idx": idx}

@@ -8,15 +8,24 @@ from torch import nn
 from mcit.models.base import LayerPrompt
 
 
-def insert_prompts(backbone: nn.Module, pixel_values: torch.Tensor, prompts: torch.Tensor) -> torch.Tensor:
+def insert_prompts(backbone: nn.Module, pixel_values: torch.Tensor, prompts: torch.Tensor,
+                   position: str = "cls") -> torch.Tensor:
     """Run the frozen ViT with ``prompts`` (B, P, D) inserted between [CLS] and the patch tokens.
 
     The position embeddings of [CLS] and the patches are the pre-trained ones (added by the model's
-    own embedding layer); prompt tokens get none, as in L2P where prompts are learned free vectors.
-    Returns the final hidden states (B, 1 + P + N, D).
+    own embedding layer). ``position="cls"``: every prompt token also gets the [CLS] position embedding,
+    as in the official L2P code, whose resized position table repeats the [CLS] entry over the prompt
+    slots (l2p-pytorch ``resize_pos_embed``). The table is frozen, so this is a fixed offset of the
+    learned prompts: the same function class, but another starting point and another forward for the
+    same prompt values. ``"none"``: the prompts enter as they are. Returns the final hidden states
+    (B, 1 + P + N, D).
     """
     tokens = backbone.embed(pixel_values)
-    tokens = torch.cat([tokens[:, :1], prompts.to(tokens.dtype), tokens[:, 1:]], dim=1)
+    prompts = prompts.to(tokens.dtype)
+    pos = backbone.cls_position_embedding() if position == "cls" else None
+    if pos is not None:
+        prompts = prompts + pos.to(tokens.dtype)
+    tokens = torch.cat([tokens[:, :1], prompts, tokens[:, 1:]], dim=1)
     return backbone.encode(tokens)
 
 

@@ -3,11 +3,13 @@ DualPrompt (``soft_tf``, the paper's main setting) and on L2P (``l2p+soft_tf``).
 
 Each task t owns real-valued soft masks M_t, one per frozen linear map of the masked blocks (the
 attention's q, k, v and output projections; the MLP's fc1 and fc2 with ``mask_mlp``), used as
-W ⊙ M_t (and b ⊙ m_t). The masks start at 1 (``mask_init: ones``, the paper's best; the official
-code's uniform(0.99, 1) is ``uniform``), so before training the masked network *is* the pre-trained
-one. Training task t trains its E-prompt, key, head and M_t (DualPrompt's task prompt mask); the
-updates of other tasks' masks are zeroed, so weight decay cannot touch them either. Masked blocks
-default to the E-prompt blocks, as the official ``target_layers``.
+W ⊙ M_t (and b ⊙ m_t). The masks start at uniform(0.99, 1) as in the official code (``mask_init:
+ones`` starts from exactly the pre-trained network). Training task t trains its E-prompt, key, head
+and M_t (DualPrompt's task prompt mask); the updates of other tasks' masks are zeroed, so weight
+decay cannot touch them either. Masked blocks default to the last E-prompt block, attention and MLP,
+which is what every official config's ``target_layers`` sets (block 11 on CIFAR-100, where the
+E-prompts are on 9-11 for 10 tasks and on 11 for 20; block 5 on ImageNet-R, E-prompt block 5). The
+paper's "L[10,11,12] w/o FF" is the variant ``mask_layers: [9, 10, 11], mask_mlp: false``.
 
 Task identity at inference, which selects both the E-prompt and the masks:
   * ``prompt_id``: DualPrompt's top-1 key matching, per sample;
@@ -24,7 +26,8 @@ Task identity at inference, which selects both the E-prompt and the masks:
 
 On L2P the prompts come from the shared pool as in L2P, which names no task; the task (for the masks)
 is then chosen by a learned key per task, pulled to its task's queries like L2P's prompt keys
-(Prompt-ID), or by the gradient rule. The masked blocks default to the last three there.
+(Prompt-ID), or by the gradient rule. The masked block defaults to the last one there (no official
+L2P configuration exists; the last block is the official CIFAR-100 ``target_layers``).
 
 Departures, each a fix: the bias masks are per task (the official SubnetLinearV1 shares one bias
 mask between tasks, so later tasks overwrite it); the entropy uses the logits the evaluation
@@ -54,10 +57,13 @@ MLP_ROLES = ("fc1", "fc2")
 
 
 class SoftMaskParams(MethodParams):
-    mask_layers: list[int] | None = Field(None, description="masked blocks; default the E-prompt blocks (L2P: last 3)")
-    mask_mlp: bool = Field(False, description="also mask the MLP's fc1 and fc2")
+    mask_layers: list[int] | None = Field(None, description="masked blocks; default the last E-prompt block (L2P: "
+                                                            "the last block), as the official target_layers")
+    mask_mlp: bool = Field(True, description="also mask the MLP's fc1 and fc2 (the official SubnetMlp); false: the "
+                                             "paper's \"w/o FF\" variant")
     mask_bias: bool = True
-    mask_init: Literal["ones", "uniform"] = "ones"
+    mask_init: Literal["ones", "uniform"] = Field("uniform", description="uniform(0.99, 1) as the official code, or "
+                                                                        "exactly 1 (the pre-trained network)")
     task_inference: Literal["prompt_id", "gradient_id", "gradient_id_batch"] = "prompt_id"
     gradient_shot: int = Field(7, ge=1, description="gradient_id_batch: samples of the batch that decide")
 
@@ -210,7 +216,7 @@ class SoftTF(SoftMasks, DualPrompt):
         DualPrompt.__init__(self, params, backbone, sequence)
         if params.top_k != 1:
             raise ValueError("method.top_k: Soft-TF selects one task (one E-prompt and one mask set) per sample")
-        self.build_masks(params, backbone, list(params.e_layers))
+        self.build_masks(params, backbone, [max(params.e_layers)] if params.e_layers else [backbone.num_layers - 1])
 
     def task_features(self, pixel_values: torch.Tensor, task: torch.Tensor) -> torch.Tensor:
         """Head input with each sample's task ``task`` (B,): its E-prompt and its masks."""
@@ -246,7 +252,7 @@ class L2PSoftTF(SoftMasks, L2P):
     def __init__(self, params: L2PSoftTFParams, backbone: nn.Module, sequence: TaskSequence) -> None:
         L2P.__init__(self, params, backbone, sequence)
         n = backbone.num_layers
-        self.build_masks(params, backbone, list(range(max(0, n - 3), n)))
+        self.build_masks(params, backbone, [n - 1])
         self.task_key = uniform_((len(sequence), backbone.hidden_size))
 
     def task_logits(self, pixel_values: torch.Tensor, task: torch.Tensor) -> torch.Tensor:

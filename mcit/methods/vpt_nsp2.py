@@ -28,11 +28,15 @@ drops B2 (P2 = I), ``ln_loss_coeff: 0`` turns L_LN off, ``eta1 != eta2`` weighs 
 CLIP variant (the paper's CLIP rows; official ``train_*_clip.sh``): the same prompts and
 projections on CLIP's image encoder (``layers`` = the first blocks, eta 0.98), and the classifier is
 CLIP's own: logits = exp(logit_scale) * cos(W_proj h_cls, t_c) with t_c the class names' text
-embeddings (template-averaged) and W_proj initialised from CLIP's visual projection. Training
-updates the prompts and the logit scale only; with ``refine_head`` the subspace stage also stores
-each class's mean and covariance of h_cls and then retrains W_proj on samples of every seen class
-(SGD, lr 0.001, momentum 0.9, weight decay 1e-4, 50 epochs of 256 samples per class), as the
-official ``refine_head``. The zero-shot row is plain zero-shot CLIP (no prompts).
+embeddings (template-averaged) and W_proj initialised from CLIP's visual projection, with a bias
+initialised to zero (the official code loads CLIP through timm's OpenAI conversion, which adds one;
+``head_bias: false`` drops it). Training updates the prompts and the logit scale only; with
+``refine_head`` the subspace stage also stores each class's mean and covariance of h_cls and then
+retrains W_proj and its bias on samples of every seen class, as the official ``refine_head``: timm's
+``sgd`` (Nesterov momentum 0.9), lr 0.001, weight decay 1e-4 on the weight only (timm exempts biases),
+50 epochs of 256 samples per class. The refinement reads the logit scale without training it and
+leaves no gradient on it for the next task's first step (the official loop zeroes gradients before
+every backward; DeepSpeed would add a left-over one). The zero-shot row is plain zero-shot CLIP (no prompts).
 """
 
 from __future__ import annotations
@@ -74,6 +78,8 @@ class VPTNSP2Params(MethodParams):
     templates: list[str] = Field(default_factory=lambda: ["a photo of a {}."],
                                  description="text classifier: class-name templates, averaged")
     logit_scale_trainable: bool = True
+    head_bias: bool = Field(True, description="text classifier: W_proj has a zero-initialised bias (the official "
+                                              "timm conversion of CLIP), trained by refine_head only")
     refine_head: bool = Field(False, description="text classifier: retrain the projection on class Gaussians")
     refine_epochs: int = Field(50, ge=0)
     refine_lr: float = Field(0.001, gt=0)
@@ -148,10 +154,12 @@ class VPTNSP2(Method):
         self.text_classifier = kind == "text"
         if self.text_classifier:
             proj = backbone.model.visual_projection
-            self.head = nn.Linear(d, proj.out_features, bias=False)
+            self.head = nn.Linear(d, proj.out_features, bias=params.head_bias)
             with torch.no_grad():
                 self.head.weight.copy_(proj.weight.float())
-            self.head.weight.requires_grad_(False)  # trained only by refine_head, in the subspace stage
+                if self.head.bias is not None:
+                    self.head.bias.zero_()
+            self.head.requires_grad_(False)  # trained only by refine_head, in the subspace stage
             self.logit_scale = nn.Parameter(backbone.logit_scale.detach().float().clone().reshape(1),
                                             requires_grad=params.logit_scale_trainable)
             names = list(sequence.class_names) or [str(c) for c in sequence.labels]
@@ -187,11 +195,12 @@ class VPTNSP2(Method):
             prompts = {layer: LayerPrompt(capture=self._capturer(i, layer, capture)) for i, layer in enumerate(self.layers)}
         return self.backbone.encode(self.backbone.embed(pixel_values), prompts=prompts, appended=appended)
 
-    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
-        """Logits over every class from pooled features (B, D)."""
+    def classify(self, pooled: torch.Tensor, train_scale: bool = True) -> torch.Tensor:
+        """Logits over every class from pooled features (B, D) (``train_scale=False``: the logit scale as a constant)."""
         out = self.head(pooled.to(self.head.weight.dtype))
         if self.text_classifier:
-            return self.logit_scale.exp() * F.normalize(out.float(), dim=-1) @ self.text_feats.t()
+            scale = self.logit_scale if train_scale else self.logit_scale.detach()
+            return scale.exp() * F.normalize(out.float(), dim=-1) @ self.text_feats.t()
         return out
 
     def logits(self, pixel_values: torch.Tensor) -> torch.Tensor:
@@ -288,9 +297,11 @@ class VPTNSP2(Method):
         g = torch.Generator().manual_seed(1000003 * (task + 1))
         dev = self.feat_mean.device
         factors = gaussian_factors(self.feat_mean, self.feat_cov, torch.nonzero(self.seen).flatten().tolist())
-        w = self.head.weight
-        w.requires_grad_(True)
-        opt = torch.optim.SGD([w], lr=self.params.refine_lr, momentum=0.9, weight_decay=1e-4)
+        self.head.requires_grad_(True)
+        groups = [{"params": [self.head.weight], "weight_decay": 1e-4}]  # timm: no weight decay on biases
+        if self.head.bias is not None:
+            groups.append({"params": [self.head.bias], "weight_decay": 0.0})
+        opt = torch.optim.SGD(groups, lr=self.params.refine_lr, momentum=0.9, nesterov=True)  # timm's "sgd"
         allowed = self.seen.to(dev)
         loss = torch.zeros(())
         for _ in range(self.params.refine_epochs):
@@ -299,12 +310,12 @@ class VPTNSP2(Method):
             x, y = x[perm].to(dev), y[perm].to(dev)
             for i in range(0, len(y), 256):
                 with torch.enable_grad():
-                    logits = self.classify(x[i:i + 256]).masked_fill(~allowed, float("-inf"))
+                    logits = self.classify(x[i:i + 256], train_scale=False).masked_fill(~allowed, float("-inf"))
                     loss = F.cross_entropy(logits, y[i:i + 256])
                     opt.zero_grad()
                     loss.backward()
                 opt.step()
-        w.requires_grad_(False)
+        self.head.requires_grad_(False)
         return float(loss.detach())
 
     def _null_spaces(self, reduced: dict[str, torch.Tensor], task: int) -> None:

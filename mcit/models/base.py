@@ -272,6 +272,11 @@ class PromptableImageEncoder(Backbone):
                 h = layer(h, None, mcit_prompt=lp)
         return self.final_norm(h)
 
+    def cls_position_embedding(self) -> torch.Tensor | None:
+        """The [CLS] token's position embedding (D,), which the L2P code family adds to every inserted
+        prompt token; None for CLIP, whose tokens are layer-normalised after the position embedding."""
+        return None
+
     @torch.no_grad()
     def cls_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """The frozen pre-trained [CLS] feature (final norm), the usual prompt-selection query."""

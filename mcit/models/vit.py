@@ -38,6 +38,9 @@ class ViTBackbone(PromptableImageEncoder):
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         return self.model.layernorm(h)
 
+    def cls_position_embedding(self) -> torch.Tensor:
+        return self.model.embeddings.position_embeddings[0, 0]
+
     def key_proj(self, layer: int) -> nn.Linear:
         """Block ``layer``'s key projection (VPT-NSP² reads W_k from it)."""
         return self.model.layers[layer].attention.k_proj

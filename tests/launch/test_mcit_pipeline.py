@@ -24,15 +24,12 @@ def _projection(mcit_assets, tmp_path, ds_config: str, project: bool) -> dict:
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("ds_config", ["deepspeed_configs/zero2.json", "deepspeed_configs/zero3.json"])
-def test_fwd_prompt_update_stays_out_of_old_task_space_on_two_ranks(mcit_assets, tmp_path, ds_config):
-    res = _projection(mcit_assets, tmp_path, ds_config, project=True)
+def test_fwd_prompt_update_stays_out_of_old_task_space_only_when_projected(mcit_assets, tmp_path):
+    """A fixed 16-dim old-task basis on 2 ZeRO-2 ranks: the projected update has no component in it, the
+    unprojected one does (the projection under every ZeRO stage: test_zero_projection.py)."""
+    res = _projection(mcit_assets, tmp_path, "deepspeed_configs/zero2.json", project=True)
     assert res["world"] == 2 and res["update_norm"] > 1e-3
-    assert res["leak"] < 1e-5, res
-    assert res["working_vs_master"] < 1e-6, res
-
-
-def test_without_projection_the_update_leaks(mcit_assets, tmp_path):
+    assert res["leak"] < 1e-5 and res["working_vs_master"] < 1e-6, res
     res = _projection(mcit_assets, tmp_path, "deepspeed_configs/zero2.json", project=False)
     assert res["leak"] > 0.05, res
 

@@ -307,6 +307,29 @@ def test_hide_prompt_task_adaptive_prediction_has_no_weight_decay_by_default(bac
     assert torch.equal(heads[None], heads[0.0]) and not torch.allclose(heads[None], heads[5e-4])
 
 
+def test_hide_prompt_aligns_the_tii_head_with_its_own_lr_and_epochs(backbone, sequence):
+    """The official TII run and prompt run align their heads with separate settings (NoRGa CIFAR-100:
+    TII 0.005 x 128/256 for 30 epochs, TAP 0.05 for 80): tii_ca_lr / tii_ca_epochs move the TII head
+    only, ca_lr / ca_epochs the prompted head only; by default both use ca_*."""
+    def run(**over):
+        torch.manual_seed(5)
+        m = _build("hide_prompt", backbone, sequence, ca_epochs=2, **over)
+        g = torch.Generator().manual_seed(0)
+        for t, labels in enumerate(([3, 4], [1, 2])):
+            b = _hide_task(m, t, labels, g)
+            with torch.no_grad():
+                m.finalize_statistics(m.statistics(b), t)
+        return m
+
+    base, same, off, lr = run(), run(tii_ca_lr=0.005, tii_ca_epochs=2), run(tii_ca_epochs=0), run(tii_ca_lr=0.05)
+    tii = lambda m: torch.cat([p.detach().flatten() for p in m.tii.parameters()])  # noqa: E731
+    assert torch.equal(tii(base), tii(same)) and torch.equal(base.head.weight, same.head.weight)
+    assert "tii_ca_loss" not in off.subspace_report() and "tap_loss" in off.subspace_report()
+    assert not torch.allclose(tii(off), tii(base)) and not torch.allclose(tii(lr), tii(base))
+    # the TAP head's samples are drawn after the TII head's: equal TII sampling, equal TAP head
+    assert torch.equal(lr.head.weight, base.head.weight)
+
+
 def test_norga_gate_trains_on_the_first_task_only(backbone, sequence):
     """The official NoRGa engine freezes act_scale (tau, alpha) from task 1 on: task 0 trains it, later
     tasks neither differentiate nor hand it to the optimizer; ``gate_trainable: all_tasks`` keeps it."""
@@ -421,11 +444,46 @@ def test_vpt_nsp2_null_space_criterion_matches_the_official_rule():
     assert torch.allclose(torch.linalg.norm(p), torch.tensor(1.0), atol=1e-5)  # Frobenius-normalised
 
 
+def test_soft_tf_defaults_are_the_official_target_layer_with_its_mlp(backbone, sequence):
+    """The official configs mask only the last E-prompt block (``target_layers``: 11 on CIFAR-100, 5 on
+    ImageNet-R), attention and MLP, with masks drawn from uniform(0.99, 1)."""
+    torch.manual_seed(0)
+    m = _build("soft_tf", backbone, sequence, g_layers=[], e_layers=[0, 1])
+    names = [n for n, _ in m.named_parameters() if n.startswith("wmask")]
+    assert {n.split("_")[1] for n in names} == {"l1"}
+    assert {n.split("_", 2)[2] for n in names} == {"q", "k", "v", "o", "fc1", "fc2"}
+    w = m.wmask_l1_q.detach()
+    assert w.min() >= 0.99 and w.max() <= 1.0 and w.std() > 1e-4
+    l2p = _build("l2p+soft_tf", backbone, sequence)
+    assert {n.split("_")[1] for n, _ in l2p.named_parameters() if n.startswith("wmask")} == {"l1"}
+
+
+@pytest.mark.parametrize("name", ["soft_tf", "l2p+soft_tf"])
+def test_soft_tf_gradient_id_picks_the_task_whose_masks_make_the_sample_confident(name, backbone, sequence):
+    """The one-shot rule: raising the weight of the sample's own task's masks sharpens its logits (the
+    entropy falls), raising another task's flattens them, so the task is the most *negative* gradient.
+    The logits under each task's masks are set here (a sample of task k: its class peaked under k's
+    masks, the same class pushed down under the others'); a rule that takes the most positive gradient,
+    always task 0, or one task for the batch gets these wrong."""
+    m = _build(name, backbone, sequence, task_inference="gradient_id")
+    g = torch.Generator().manual_seed(0)
+    true = torch.tensor([0, 1, 2, 2, 1, 0, 1, 2])
+    own = torch.tensor([list(sequence.tasks[int(k)].classes)[int(i) % 2] for i, k in enumerate(true)])
+    per_task = torch.randn(3, len(true), sequence.num_classes, generator=g) * 0.1
+    for t in range(3):
+        per_task[t, torch.arange(len(true)), own] += torch.where(true == t, 9.0, -3.0)
+    m.superposed_logits = lambda rows, mix: torch.einsum("bt,tbc->bc", mix[:, :3], per_task[:, : len(rows)])
+    allowed = torch.ones(sequence.num_classes, dtype=torch.bool)
+    b = Batch(torch.zeros(len(true), 3, 16, 16), own, torch.ones(len(true)), 2, allowed_classes=allowed)
+    assert torch.equal(m.gradient_id(b), true)
+    assert torch.equal(m.infer_task(b), true)
+
+
 def test_soft_tf_masks_at_one_reproduce_the_unmasked_backbone(backbone, sequence):
-    """Masks initialised at 1 (the paper's best): the masked network is the pre-trained one, exactly
+    """Masks initialised at 1 (``mask_init: ones``): the masked network is the pre-trained one, exactly
     for one task's masks and up to rounding for a superposition of all tasks' masks."""
     torch.manual_seed(0)
-    m = _build("soft_tf", backbone, sequence, mask_mlp=True)
+    m = _build("soft_tf", backbone, sequence, mask_mlp=True, mask_init="ones")
     assert {n.split("_l")[0] for n, _ in m.named_parameters() if n.startswith(("wmask", "bmask"))} == {"wmask", "bmask"}
     x = torch.randn(5, 3, 16, 16)
     idx = torch.tensor([0, 1, 2, 1, 0])
@@ -442,9 +500,9 @@ def test_soft_tf_masks_at_one_reproduce_the_unmasked_backbone(backbone, sequence
         m.wmask_l1_v[2].mul_(0.5)
     moved = (m.task_features(x, idx) - plain).abs().flatten(1).amax(1)
     assert moved[idx == 2].min() > 0 and moved[idx != 2].max() == 0
-    # on L2P: masks on the last blocks (both here), the L2P forward unchanged at 1
+    # on L2P: masks on both blocks, the L2P forward unchanged at 1
     torch.manual_seed(0)
-    l2p = _build("l2p+soft_tf", backbone, sequence)
+    l2p = _build("l2p+soft_tf", backbone, sequence, mask_init="ones", mask_layers=[0, 1])
     assert l2p.mask_layers == [0, 1] and l2p.task_key.shape == (3, backbone.hidden_size)
     assert torch.equal(l2p.task_logits(x, idx), l2p.prompted(x)["logits"])
 

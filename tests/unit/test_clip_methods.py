@@ -96,6 +96,25 @@ def test_vpt_nsp2_clip_refine_head_trains_projection_on_class_gaussians(clip, di
     assert "refine_loss" in m.subspace_report()
 
 
+def test_vpt_nsp2_clip_refine_trains_the_zero_bias_and_leaves_the_logit_scale_untouched(clip, digits_sequence):
+    """The official head is timm's conversion of CLIP's projection: a Linear with a zero bias, frozen while the
+    prompts train and refined (weight and bias) in the subspace stage. The refinement reads the logit scale
+    but must leave no gradient on it: DeepSpeed would add it to the next task's first step."""
+    torch.manual_seed(0)
+    cls = METHODS.get("vpt_nsp2")
+    m = cls(cls.Params(prompt_length=2, layers=[0], refine_head=True, refine_epochs=2, refine_samples=16),
+            clip, digits_sequence)
+    assert m.head.bias is not None and m.head.bias.eq(0).all() and not m.head.bias.requires_grad
+    assert m.logit_scale.requires_grad and m.logit_scale.grad is None
+    scale = m.logit_scale.detach().clone()
+    m.set_task(0)
+    m.finalize_statistics(m.statistics(_batch(20)), 0)
+    assert m.head.bias.abs().sum() > 0 and not m.head.bias.requires_grad
+    assert m.logit_scale.grad is None and torch.equal(m.logit_scale.detach(), scale)
+    m2 = cls(cls.Params(prompt_length=2, layers=[0], head_bias=False), clip, digits_sequence)
+    assert m2.head.bias is None
+
+
 @pytest.mark.parametrize("name", ["vpt_nsp2", "clip_zero_shot"])
 def test_clip_predictions_do_not_change_with_test_batch_size(name, clip, digits_sequence):
     torch.manual_seed(1)

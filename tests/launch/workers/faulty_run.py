@@ -29,7 +29,7 @@ def install(spec: str) -> None:
     from mcit.engine import on_optimizer_step
 
     @on_optimizer_step
-    def fault(t: int, gstep: int) -> None:
+    def fault(t: int, gstep: int, engine: object) -> None:
         if (t, gstep) != (task, step) or who not in (None, dist.rank()):
             return
         if who is None:
