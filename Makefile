@@ -32,17 +32,17 @@ $(DIGITS): data_prep/digits.py mcit/data/shards.py | $(VENV)/.installed
 	$(BIN)/python -m data_prep.digits --out $(@D) --force
 
 $(TINY_VIT): data_prep/pretrain_vit.py mcit/data/procedural.py | $(VENV)/.installed
-	OMP_NUM_THREADS=$(NPROC) $(BIN)/python -m data_prep.pretrain_vit --out $(@D) --force
+	$(BIN)/python -m data_prep.pretrain_vit --out $(@D) --force
 
 $(TINY_CLIP): data_prep/pretrain_clip.py mcit/data/procedural.py | $(VENV)/.installed
-	OMP_NUM_THREADS=$(NPROC) $(BIN)/python -m data_prep.pretrain_clip --out $(@D) --force
+	$(BIN)/python -m data_prep.pretrain_clip --out $(@D) --force
 
 $(TINY_MCIT): data_prep/tiny_mcit.py mcit/data/tiny_mcit.py mcit/data/instructions.py mcit/data/shards.py | $(VENV)/.installed
 	$(BIN)/python -m data_prep.tiny_mcit --out $(@D) --force
 
 $(TINY_LLAVA): data_prep/pretrain_tiny_llava.py mcit/models/tiny_llava.py mcit/models/mllm.py mcit/data/tiny_mcit.py \
                $(TINY_MCIT) | $(VENV)/.installed
-	OMP_NUM_THREADS=$(NPROC) $(BIN)/python -m data_prep.pretrain_tiny_llava --shards $(dir $(TINY_MCIT)) --out $(@D) --force
+	$(BIN)/python -m data_prep.pretrain_tiny_llava --shards $(dir $(TINY_MCIT)) --out $(@D) --force
 
 # The embedded MCIT benchmark's shards and the project's own instruction-tuned tiny LLaVA.
 data: $(TINY_MCIT) $(TINY_LLAVA)

@@ -16,8 +16,10 @@ position (shard k holds specs[k*S:(k+1)*S]), so the shard plan is the same on ev
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import platform
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -40,6 +42,38 @@ class RecordError(DataError):
     def __init__(self, record_id: str, file: str | Path, problem: str) -> None:
         super().__init__(f"record {record_id!r} ({file}): {problem}")
         self.record_id = record_id
+
+
+def single_threaded(pretrain: Callable[..., dict]) -> Callable[..., dict]:
+    """Run an embedded backbone's pre-training on one CPU thread.
+
+    Why: with several threads, matrix products and reductions split their sums by thread count, so the
+    tiny ViT trained under OMP_NUM_THREADS=1 and =2 came out as different files (and CIL results moved
+    with them). On one thread the bytes depend only on the settings and ``build_environment()``.
+    """
+    @functools.wraps(pretrain)
+    def run(*args: Any, **kwargs: Any) -> dict:
+        import torch
+
+        before = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return pretrain(*args, **kwargs)
+        finally:
+            torch.set_num_threads(before)
+
+    return run
+
+
+def build_environment() -> dict[str, Any]:
+    """What a pre-trained embedded backbone's bytes depend on besides its settings (recorded with it): the
+    pinned library versions and the CPU kernels torch dispatches to (its vector ISA), not the thread count."""
+    import numpy
+    import torch
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "numpy": numpy.__version__,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "machine": platform.machine(), "threads": 1}
 
 
 def _encode_shard(args: tuple[Callable[[Any], dict], Sequence[Any], str, str]) -> tuple[int, list[str], str]:

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from data_prep.common import builder_main
+from data_prep.common import build_environment, builder_main, single_threaded
 
 SETTINGS_FILE = "pretraining.json"
 SHAPE_TEMPLATES = ["a photo of a {}.", "a drawing of a {}.", "a blurry photo of a {}.", "a sketch of a {}."]
@@ -78,6 +78,7 @@ def to_pixels(images: list, size: int) -> Any:
     return ((x - 0.5) / 0.5).contiguous()
 
 
+@single_threaded
 def pretrain(out: Path, *, vision_hidden: int = 64, vision_layers: int = 4, text_hidden: int = 64, text_layers: int = 2,
              heads: int = 4, projection_dim: int = 32, image_size: int = 16, patch_size: int = 4,
              n_train: int = 16000, epochs: int = 6, batch_size: int = 128, lr: float = 2e-3, seed: int = 0,
@@ -177,7 +178,8 @@ def pretrain(out: Path, *, vision_hidden: int = 64, vision_layers: int = 4, text
     tokenizer.save_pretrained(tmp)
     CLIPImageProcessorPil(do_resize=True, size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size},
                        image_mean=[0.5] * 3, image_std=[0.5] * 3, do_convert_rgb=True).save_pretrained(tmp)
-    info = {"settings": settings, "concepts": names, "val_zero_shot_accuracy": val_acc,
+    info = {"settings": settings, "environment": build_environment(),
+            "concepts": names, "val_zero_shot_accuracy": val_acc,
             "sklearn_digits_zero_shot_accuracy": digits_acc, "digits_template": DIGIT_TEMPLATE,
             "seconds": round(time.time() - t0, 1)}
     publish_dir(tmp, out, files={SETTINGS_FILE: json.dumps(info, indent=1)})

@@ -19,11 +19,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from data_prep.common import builder_main
+from data_prep.common import build_environment, builder_main, single_threaded
 
 SETTINGS_FILE = "pretraining.json"
 
 
+@single_threaded
 def pretrain(shards: Path, out: Path, *, epochs: int = 6, batch_size: int = 32, lr: float = 3e-3,
              text_hidden: int = 128, text_layers: int = 3, vision_hidden: int = 64, vision_layers: int = 4,
              patch_size: int = 8, vision_samples: int = 8000, vision_epochs: int = 6, seed: int = 0,
@@ -101,7 +102,8 @@ def pretrain(shards: Path, out: Path, *, epochs: int = 6, batch_size: int = 32, 
         preds = wrap.generate(embeds, batch.inputs["attention_mask"], max_new_tokens=8)
         correct += sum(exact_match(p, m) for p, m in zip(preds, batch.meta))
         total += len(preds)
-    info = {"settings": settings, "base_val_exact_match": correct / max(total, 1), "train_loss_ema": loss_ema,
+    info = {"settings": settings, "environment": build_environment(),
+            "base_val_exact_match": correct / max(total, 1), "train_loss_ema": loss_ema,
             "vision_attribute_val_acc": vision_acc,
             "parameters": sum(p.numel() for p in model.parameters()), "seconds": time.time() - t0}
     tmp = staging_dir(out)

@@ -13,11 +13,12 @@ import sys
 import time
 from pathlib import Path
 
-from data_prep.common import builder_main
+from data_prep.common import build_environment, builder_main, single_threaded
 
 SETTINGS_FILE = "pretraining.json"
 
 
+@single_threaded
 def pretrain(out: Path, *, hidden: int = 96, layers: int = 6, heads: int = 4, image_size: int = 16,
              patch_size: int = 4, n_train: int = 20000, epochs: int = 8, batch_size: int = 128,
              lr: float = 2e-3, seed: int = 0, force: bool = False) -> dict:
@@ -66,7 +67,8 @@ def pretrain(out: Path, *, hidden: int = 96, layers: int = 6, heads: int = 4, im
     model.vit.save_pretrained(tmp)  # the bare ViTModel: what the pipeline loads
     ViTImageProcessor(do_resize=True, size={"height": image_size, "width": image_size}, image_mean=[0.5] * 3,
                       image_std=[0.5] * 3, do_convert_rgb=True).save_pretrained(tmp)
-    info = {"settings": settings, "shapes": SHAPES, "val_accuracy": acc, "seconds": round(time.time() - t0, 1)}
+    info = {"settings": settings, "environment": build_environment(),
+            "shapes": SHAPES, "val_accuracy": acc, "seconds": round(time.time() - t0, 1)}
     publish_dir(tmp, out, files={SETTINGS_FILE: json.dumps(info, indent=1)})
     return info
 

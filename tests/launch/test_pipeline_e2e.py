@@ -72,27 +72,11 @@ def test_finished_run_reprints_summary_and_does_nothing(reference_run):
     assert snapshot(run_dir) == before
 
 
-def test_killed_run_resumes_to_identical_metrics(assets, work, reference_run):
-    _, ref_dir, _ = reference_run
-    cfg = tiny_config(assets, work, "killed")
-    run_dir = work / "runs" / "killed"
-    res = launch(["--config", str(cfg)], launcher="deepspeed", nproc=2, entry=FAULTY, MCIT_TEST_FAULT="1:5")
-    assert res.returncode != 0
-    state = json.loads((run_dir / "state.json").read_text())
-    assert "1/train" not in state["completed"] and "0/commit" in state["completed"]
-    committed = json.loads((run_dir / "checkpoints/task_1/steps/committed.json").read_text())
-    assert committed["global_step"] == 3  # checkpoint_every=3, killed after step 5
-    res = launch(["--config", str(cfg)], launcher="deepspeed", nproc=2)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    got = json.loads((run_dir / "metrics.json").read_text())
-    ref = json.loads((ref_dir / "metrics.json").read_text())
-    assert got["acc_matrix"] == ref["acc_matrix"]
-    assert got["final_avg_acc"] == ref["final_avg_acc"]
-
-
-def test_preempted_run_commits_its_step_and_resumes_to_identical_metrics(assets, work, reference_run):
-    """SIGUSR1 to one rank mid-task: every rank stops after the same step, the step checkpoint is
-    committed, the run exits 75 ("resume me"), and the re-run ends with the uninterrupted metrics."""
+def test_preempted_then_killed_run_resumes_to_identical_metrics(assets, work, reference_run):
+    """SIGUSR1 to one rank in task 1: every rank stops after the same step, the step checkpoint is
+    committed and the run exits 75 ("resume me"). The resumed run is then killed (SIGKILL, every rank)
+    after step 5 of task 2, whose last committed step is 3 (checkpoint_every=3). The last re-run ends
+    with the uninterrupted run's metrics."""
     _, ref_dir, _ = reference_run
     cfg = tiny_config(assets, work, "preempt")
     run_dir = work / "runs" / "preempt"
@@ -109,11 +93,20 @@ def test_preempted_run_commits_its_step_and_resumes_to_identical_metrics(assets,
     export = json.loads((ref_dir / "checkpoints/task_0/method.json").read_text())["tensors"]
     assert set(module) == set(export) and not any("backbone" in k or "encoder.layer" in k for k in module)
     (run_dir / "PREEMPT").write_text("left by the job that was preempted\n")  # cleared on resume
+
+    res = launch(["--config", str(cfg)], launcher="deepspeed", nproc=2, entry=FAULTY, MCIT_TEST_FAULT="2:5")
+    assert res.returncode != 0
+    assert not (run_dir / "PREEMPT").exists()
+    state = json.loads((run_dir / "state.json").read_text())
+    assert "2/train" not in state["completed"] and "1/commit" in state["completed"]
+    committed = json.loads((run_dir / "checkpoints/task_2/steps/committed.json").read_text())
+    assert committed["global_step"] == 3  # checkpoint_every=3, killed after step 5
+
     res = launch(["--config", str(cfg)], launcher="deepspeed", nproc=2)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     got = json.loads((run_dir / "metrics.json").read_text())
-    assert got["acc_matrix"] == json.loads((ref_dir / "metrics.json").read_text())["acc_matrix"]
-    assert not (run_dir / "PREEMPT").exists()
+    ref = json.loads((ref_dir / "metrics.json").read_text())
+    assert got["acc_matrix"] == ref["acc_matrix"] and got["final_avg_acc"] == ref["final_avg_acc"]
 
 
 @pytest.mark.parametrize("how", ["KILL", "STOP"])
@@ -216,7 +209,7 @@ def test_evaluate_reproduces_the_stored_rows_on_another_world_size(reference_run
                  launcher="deepspeed", nproc=2)
     assert res.returncode == 0, res.stderr[-3000:]
     assert _row(run_dir, "after_task_1") == [m["acc_matrix"][1][0], m["acc_matrix"][1][2]]
-    res = launch(["--run", str(run_dir), "--task-checkpoint", "7"], entry=EVALUATE)
+    res = run_main(["--run", str(run_dir), "--task-checkpoint", "7"], entry="evaluate")  # stops before any work
     assert res.returncode == 2 and "no exported checkpoint after task 7 (exported: [0, 1, 2])" in res.stderr
 
 

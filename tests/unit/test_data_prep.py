@@ -285,3 +285,26 @@ def test_bad_instruction_inputs_name_the_record_and_file(tmp_path):
     assert r.returncode == 2 and "no test.json" in r.stderr
     r = convert("llava_json", "--json", tv / "test.csv", "--images", raw / "images", "--out", tmp_path / "o9")
     assert r.returncode == 2 and "test.csv: unknown format" in r.stderr
+
+
+def test_embedded_backbone_bytes_do_not_depend_on_the_thread_count(tmp_path):
+    """The tiny ViT trained with 2 threads and with 1 is the same file: pre-training runs on one thread
+    (at this width, 2 threads gave another file before), and the caller's thread count is restored."""
+    import hashlib
+
+    import torch
+
+    from data_prep.pretrain_vit import pretrain
+
+    before = torch.get_num_threads()
+    digests = []
+    try:
+        for threads in (2, 1):
+            torch.set_num_threads(threads)
+            info = pretrain(tmp_path / f"vit{threads}", n_train=512, epochs=1, force=True)
+            assert torch.get_num_threads() == threads
+            digests.append(hashlib.sha256((tmp_path / f"vit{threads}" / "model.safetensors").read_bytes()).hexdigest())
+    finally:
+        torch.set_num_threads(before)
+    assert digests[0] == digests[1]
+    assert info["environment"]["threads"] == 1 and info["environment"]["torch"] == torch.__version__
