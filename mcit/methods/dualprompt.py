@@ -27,7 +27,7 @@ from torch import nn
 
 from mcit.data.types import Batch, TaskSequence
 from mcit.methods.base import LossTerms, Method, MethodParams
-from mcit.methods.prompting import cosine, gather_prefix, mask_to_classes, prefix_prompt, uniform_
+from mcit.methods.prompting import cosine, gather_prefix, majority_vote, mask_to_classes, prefix_prompt, uniform_
 from mcit.registry import METHODS
 
 
@@ -57,15 +57,6 @@ class DualPromptParams(MethodParams):
 def task_prompt_ids(task: int, top_k: int, batch: int, device: torch.device) -> torch.Tensor:
     """The E-prompts task ``task`` trains (the official prompt mask), for every sample: (B, k)."""
     return torch.arange(task * top_k, (task + 1) * top_k, device=device).unsqueeze(0).expand(batch, -1)
-
-
-def majority_vote(idx: torch.Tensor, top_k: int) -> torch.Tensor:
-    """The official ``batchwise_prompt``: the k most frequent prompt ids of the batch, for every sample."""
-    ids, counts = torch.unique(idx, return_counts=True, sorted=True)
-    major = ids[counts.topk(min(top_k, ids.numel())).indices]
-    if major.numel() < top_k:
-        major = torch.cat([major, major[:1].expand(top_k - major.numel())])
-    return major.unsqueeze(0).expand(idx.shape[0], -1)
 
 
 @METHODS.register("dualprompt")
@@ -121,7 +112,7 @@ class DualPrompt(Method):
         sim = cosine(query, self.e_key)
         idx = sim.topk(self.params.top_k, dim=-1).indices
         if self.params.batchwise_selection:
-            idx = majority_vote(idx, self.params.top_k)
+            idx = majority_vote(idx, self.params.top_k, self.pool_size)
         return idx, sim
 
     def train_outputs(self, batch: Batch) -> dict[str, torch.Tensor]:

@@ -26,7 +26,7 @@ from torch import nn
 
 from mcit.data.types import Batch, TaskSequence
 from mcit.methods.base import LossTerms, Method, MethodParams
-from mcit.methods.prompting import insert_prompts, mask_to_classes, pool, uniform_
+from mcit.methods.prompting import insert_prompts, majority_vote, mask_to_classes, pool, uniform_
 from mcit.registry import METHODS
 
 
@@ -63,11 +63,7 @@ class L2P(Method):
         sim = F.normalize(query.float(), dim=-1) @ F.normalize(self.prompt_key.float(), dim=-1).t()
         idx = sim.topk(self.params.top_k, dim=-1).indices
         if self.params.batchwise_selection:
-            ids, counts = torch.unique(idx, return_counts=True, sorted=True)
-            major = ids[counts.topk(min(self.params.top_k, ids.numel())).indices]
-            if major.numel() < self.params.top_k:  # fewer distinct prompts than k: repeat the top one
-                major = torch.cat([major, major[:1].expand(self.params.top_k - major.numel())])
-            idx = major.unsqueeze(0).expand(query.shape[0], -1)
+            idx = majority_vote(idx, self.params.top_k, self.params.pool_size)
         return idx, sim
 
     def prompted(self, pixel_values: torch.Tensor, query: torch.Tensor | None = None) -> dict[str, torch.Tensor]:

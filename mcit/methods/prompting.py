@@ -44,6 +44,20 @@ def uniform_(shape: tuple[int, ...], low: float = -1.0, high: float = 1.0) -> nn
     return nn.Parameter(torch.empty(shape).uniform_(low, high))
 
 
+def majority_vote(idx: torch.Tensor, top_k: int, pool_size: int) -> torch.Tensor:
+    """The official ``batchwise_prompt`` (L2P, DualPrompt): the k most frequent prompt ids of the batch, for
+    every sample. As the official code (a port of jnp.unique with ``size``): the distinct ids are padded to
+    ``pool_size`` with the smallest selected id at count 0 before the top-k over the counts, which fixes
+    the order of tied ids and what fills the set when fewer than k ids were selected."""
+    ids, counts = torch.unique(idx, return_counts=True, sorted=True)
+    if ids.numel() < pool_size:
+        pad = pool_size - ids.numel()
+        ids = torch.cat([ids, ids.new_full((pad,), int(idx.min()))])
+        counts = torch.cat([counts, counts.new_zeros(pad)])
+    major = ids[counts.topk(top_k).indices]
+    return major.unsqueeze(0).expand(idx.shape[0], -1)
+
+
 def mask_to_classes(logits: torch.Tensor, classes: tuple[int, ...]) -> torch.Tensor:
     """Set every logit outside ``classes`` to -inf (training-time masking of other tasks' classes)."""
     keep = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)

@@ -1,0 +1,45 @@
+"""HiDe-Prompt against thu-ml/HiDe-Prompt on the same tiny ViT, images and prompts (official/hide_prompt.json):
+class statistics from the stored prompt, task 1's forward with prompt momentum after the hand-over, the WTP
+loss with the contrastive term against task 0's class means, its gradients, and the momentum written into the
+stored prompt. (The TII head trains in the same pass here, a documented difference: its cross-entropy is left
+out of the compared loss; it does not reach the prompt's or the head's gradients.)"""
+
+from __future__ import annotations
+
+import torch
+
+import tiny_inputs as T
+from mcit.data.types import Batch
+
+
+def test_hide_prompt_matches_the_official_statistics_forward_loss_gradients_and_momentum():
+    ref = T.official("hide_prompt")["values"]
+    m = T.method("hide_prompt", T.vit(), reg=0.1, prompt_momentum=0.01)
+    x8 = T.images(8)
+    m.before_task(0)
+    m.after_task(0)
+    m.set_task(0)
+    m.finalize_statistics(m.statistics(Batch(x8, T.labels(0, 8), torch.ones(8), 0)), 0)
+    T.assert_close(m.prompted_mean[:3], ref["mean0"], "task 0 class means")
+    T.assert_close(m.prompted_cov[:3], ref["cov0"], "task 0 class covariances")
+    m.before_task(1)
+    with torch.no_grad():
+        m.e_prompt[:, :, 1] += 0.1 * torch.randn(m.e_prompt[:, :, 1].shape, generator=torch.Generator().manual_seed(5))
+    b = T.batch(1)
+    out = m.train_outputs(b)
+    T.assert_close(out["logits"], ref["train_logits"], "train logits")
+    terms = m.loss(b, out)
+    T.assert_close(terms.regularizer, ref["orth"], "contrastive loss")
+    loss = terms.task.mean() + terms.regularizer
+    T.assert_close(loss, ref["loss"], "loss")
+    loss.backward()
+    g = T.grads(m)
+    for name in ("e_prompt", "head.weight", "head.bias"):
+        T.assert_close(g[name], ref[f"grad.{name}"], f"gradient of {name}")
+    m.params.ca_epochs = 0  # the statistics alone (TAP is seeded and compared with the official loop elsewhere)
+    m.after_task(1)
+    T.assert_close(m.e_prompt[:, :, 1], ref["stored_prompt1"], "stored prompt after the momentum")
+    m.set_task(1)
+    m.finalize_statistics(m.statistics(Batch(x8, T.labels(1, 8), torch.ones(8), 1)), 1)
+    T.assert_close(m.prompted_mean[3:], ref["mean1"], "task 1 class means")
+    T.assert_close(m.prompted_cov[3:], ref["cov1"], "task 1 class covariances")

@@ -1,0 +1,112 @@
+"""The fixed small inputs every reference number was produced on, and how a test compares with them.
+
+The official code was fed exactly these: the tiny seeded ViT below (its weights copied into the official
+repository's own ViT class: ``qkv`` = concat(q, k, v), the rest one to one, LayerNorm eps 1e-6 as in timm),
+the seeded images, and the method's parameters as ``method()`` initialises them (copied into the
+official modules). Each ``official/<method>.json`` holds the official numbers and a ``source`` record:
+repository, commit, the functions that ran, and what was compared. The official code ran in a scratch
+folder outside this repository (timm 0.6.7 / 0.9.12 as its requirements pin, with the same CPU torch);
+only its printed numbers are here.
+
+Gradients are compared rather than Adam's first step (which is lr * sign(g) up to eps and would hide a
+wrong gradient magnitude); where a method rewrites the update itself (projection) the rewritten update
+is compared.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+OFFICIAL = HERE / "official"
+TOL = 1e-5
+CLASSES = [[0, 1, 2], [3, 4, 5]]
+
+
+def vit(layers: int = 6):
+    """A seeded random ViTBackbone: 24 wide, 2 heads, MLP 48, 16 px images in 4 px patches (16 + 1 tokens)."""
+    from transformers import ViTConfig, ViTModel
+
+    from mcit.models.vit import ViTBackbone
+
+    torch.manual_seed(0)
+    cfg = ViTConfig(hidden_size=24, num_hidden_layers=layers, num_attention_heads=2, intermediate_size=48,
+                    image_size=16, patch_size=4, layer_norm_eps=1e-6, hidden_act="gelu")
+    model = ViTModel(cfg, add_pooling_layer=False)
+    with torch.no_grad():  # the random init leaves LayerNorms at 1/0 and biases at 0: make every weight count
+        g = torch.Generator().manual_seed(10)
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "layernorm" in name:
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
+    return ViTBackbone(model, [0.5] * 3, [0.5] * 3)
+
+
+def sequence():
+    """Two tasks of three classes (indices 0-2 and 3-5)."""
+    from mcit.data.types import TaskSequence
+
+    return TaskSequence.from_label_spaces(["t0", "t1"], CLASSES)
+
+
+def images(n: int = 4) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(n, 3, 16, 16, generator=g)
+
+
+def labels(task: int, n: int = 4) -> torch.Tensor:
+    return torch.tensor([CLASSES[task][i % 3] for i in range(n)])
+
+
+def batch(task: int, n: int = 4):
+    from mcit.data.types import Batch
+
+    return Batch(images(n), labels(task, n), torch.ones(n), task)
+
+
+def method(name: str, backbone, seq=None, seed: int = 2, **params: Any):
+    """The project's ``name`` with ``params``, its parameters drawn after ``torch.manual_seed(seed)``."""
+    from mcit.registry import METHODS
+
+    cls = METHODS.get(name)
+    torch.manual_seed(seed)
+    return cls(cls.Params(**params), backbone, seq or sequence())
+
+
+def train_loss(m, b) -> torch.Tensor:
+    """The scalar the engine minimises for one batch: mean of the per-sample terms plus the regularizer."""
+    terms = m(b)
+    loss = terms.per_sample.mean()
+    return loss + terms.regularizer if terms.regularizer is not None else loss
+
+
+def grads(m) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in m.named_parameters() if p.grad is not None}
+
+
+def official(name: str) -> dict[str, Any]:
+    return json.loads((OFFICIAL / f"{name}.json").read_text())
+
+
+def as_tensor(x: Any) -> torch.Tensor:
+    return torch.tensor(x, dtype=torch.float64)
+
+
+def max_diff(ours: torch.Tensor, ref: Any) -> float:
+    ref_t = as_tensor(ref)
+    ours = ours.detach().double().reshape(ref_t.shape)
+    return float((ours - ref_t).abs().max()) if ref_t.numel() else 0.0
+
+
+def assert_close(ours: torch.Tensor, ref: Any, what: str, tol: float = TOL) -> float:
+    d = max_diff(ours, ref)
+    report = os.environ.get("MCIT_REFERENCE_REPORT")  # the note's per-method table: test, quantity, max diff
+    if report:
+        with open(report, "a") as f:
+            f.write(f"{os.environ.get('PYTEST_CURRENT_TEST', '?').split(' ')[0]}\t{what}\t{d:.3g}\n")
+    assert d <= tol, f"{what}: max abs difference {d:.3g} from the official value (tolerance {tol})"
+    return d
