@@ -19,7 +19,12 @@ Differences from JingyangQiao/prompt-gradient-projection, and why: that code pro
 gradient before Adam, which does not keep Adam's step in the complement (docs/architecture.md, "Known faults"), so the
 update itself is projected here; and its prompt basis comes from a PCA of flattened sample
 representations whose sample count (768) happens to equal ViT-B's width, so its "feature space" is
-a sample space -- here the bases live in the spaces the paper's conditions are about. Thresholds
+a sample space -- here the bases live in the spaces the paper's conditions are about. Its energy
+criterion also differs from GPM's: ``memory.update_memory`` takes the SVD of R R^T and squares those
+singular values (the fourth power of R's), and on the first task keeps only the directions whose
+cumulative share stays strictly below the threshold; here GPM's criterion on the covariance's
+eigenvalues (``energy_basis``). Given the same bases, the projection is the official one
+(tests/reference/test_pgp_reference.py). Thresholds
 default to the official 0.50 (prompt) and 0.97 (key).
 """
 
