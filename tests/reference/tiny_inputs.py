@@ -46,6 +46,39 @@ def vit(layers: int = 6):
     return ViTBackbone(model, [0.5] * 3, [0.5] * 3)
 
 
+def clip(layers: int = 4):
+    """A seeded random CLIPBackbone (vision 24 wide, 2 heads, quick-GELU, LayerNorm eps 1e-5 as CLIP; projection 16).
+
+    Its class-name text features are fixed seeded unit vectors (what the official code caches from CLIP's text
+    encoder is an input of the methods compared here, not part of them), so no tokenizer is needed."""
+    from transformers import CLIPConfig, CLIPModel
+
+    from mcit.models.clip import CLIPBackbone
+
+    torch.manual_seed(0)
+    cfg = CLIPConfig(text_config={"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+                                  "intermediate_size": 32, "vocab_size": 64, "max_position_embeddings": 16,
+                                  "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 1},
+                     vision_config={"hidden_size": 24, "num_hidden_layers": layers, "num_attention_heads": 2,
+                                    "intermediate_size": 48, "image_size": 16, "patch_size": 4,
+                                    "hidden_act": "quick_gelu", "layer_norm_eps": 1e-5},
+                     projection_dim=16)
+    model = CLIPModel(cfg)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(10)
+        for name, p in model.vision_model.named_parameters():
+            if name.endswith("bias") or "layer_norm" in name or "layrnorm" in name:
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
+    bb = CLIPBackbone(model, [0.5] * 3, [0.5] * 3)
+
+    def class_text_features(names: list[str], templates: list[str]) -> torch.Tensor:
+        g = torch.Generator().manual_seed(11)
+        return torch.nn.functional.normalize(torch.randn(len(names), 16, generator=g), dim=-1)
+
+    bb.class_text_features = class_text_features
+    return bb
+
+
 def sequence():
     """Two tasks of three classes (indices 0-2 and 3-5)."""
     from mcit.data.types import TaskSequence
