@@ -69,7 +69,7 @@ def clip(layers: int = 4):
         for name, p in model.vision_model.named_parameters():
             if name.endswith("bias") or "layer_norm" in name or "layrnorm" in name:
                 p.add_(0.1 * torch.randn(p.shape, generator=g))
-    bb = CLIPBackbone(model, [0.5] * 3, [0.5] * 3)
+    bb = CLIPBackbone(model, [0.5] * 3, [0.5] * 3, tokenizer=_word_tokenizer())
 
     def class_text_features(names: list[str], templates: list[str]) -> torch.Tensor:
         g = torch.Generator().manual_seed(11)
@@ -77,6 +77,19 @@ def clip(layers: int = 4):
 
     bb.class_text_features = class_text_features
     return bb
+
+
+def _word_tokenizer():
+    """A word-level tokenizer for the tiny CLIP's 64-token vocabulary ("X", ".", digits; <bos> 0, <eos> 1)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<bos>": 0, "<eos>": 1, "<unk>": 2, "X": 3, ".": 4, **{str(i): 5 + i for i in range(10)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A <eos>", special_tokens=[("<bos>", 0), ("<eos>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<eos>",
+                                   unk_token="<unk>")
 
 
 def sequence():
@@ -126,6 +139,8 @@ def official(name: str) -> dict[str, Any]:
 
 
 def as_tensor(x: Any) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        return x.detach().to(torch.float64)
     return torch.tensor(x, dtype=torch.float64)
 
 

@@ -1,0 +1,47 @@
+"""STAR-Prompt's second level against aimagelab/mammoth's on the same tiny ViT, images, prompts, modulation
+vectors, keys and CLIP queries (official/star_prompt.json): the super-prompts through the residual attention,
+the loss with the orthogonality term, the gradients of every block's p and a (every current class's a_c,
+as the official in-place masking leaves them) and of the head, and inference over every seen class.
+
+The first level's outputs (the keys, the CLIP image embeddings) are given to both sides: they come from the
+first level's CLIP, which the official code runs through the openai ``clip`` package."""
+
+from __future__ import annotations
+
+import torch
+
+import tiny_inputs as T
+
+
+def test_star_prompt_second_level_matches_the_official_forward_loss_and_gradients():
+    ref = T.official("star_prompt")["values"]
+    from mcit.registry import METHODS
+
+    cls = METHODS.get("star_prompt")
+    clip, vit = T.clip(), T.vit()
+    torch.manual_seed(2)  # the method's parameters drawn after both backbones were built
+    m = cls(cls.Params(clip_path="unused"), vit, T.sequence(), auxiliary={"clip": clip})
+    query = T.as_tensor(ref["query"]).float()
+    m.clip_query = lambda pixel_values: query  # the first level's CLIP embedding of these images
+    with torch.no_grad():
+        m.keys.copy_(T.as_tensor(ref["keys"]).float())
+        m.head_backup_w.copy_(m.head.weight)  # the head as task 0 left it, which task 1 recalls
+        m.head_backup_b.copy_(m.head.bias)
+    m.set_phase("second")
+    m.before_task(1)
+    m.set_task(1)
+    b = T.batch(1)
+    out = m.train_outputs(b)
+    T.assert_close(out["logits"], T.as_tensor(ref["train_logits"])[:, 3:], "train logits (task 1's classes)")
+    T.assert_close(out["reg"] / m.params.lambda_ortho_second, ref["ortho"], "orthogonality loss")
+    loss = T.train_loss(m, b)
+    T.assert_close(loss, ref["loss"], "loss")
+    loss.backward()
+    g = T.grads(m)
+    for layer in range(6):
+        T.assert_close(g[f"p_{layer}"], ref[f"grad.p_{layer}"], f"gradient of p_{layer}")
+        T.assert_close(g[f"a_{layer}"], ref[f"grad.a_{layer}"], f"gradient of a_{layer}")
+    T.assert_close(g["head.weight"], ref["grad.head.weight"], "gradient of the head")
+    T.assert_close(g["head.bias"], ref["grad.head.bias"], "gradient of the head bias")
+    with torch.no_grad():
+        T.assert_close(m.head(m.vit_features(b.pixel_values, list(range(6)))), ref["eval_logits"], "eval logits")
