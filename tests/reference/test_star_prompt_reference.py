@@ -45,3 +45,31 @@ def test_star_prompt_second_level_matches_the_official_forward_loss_and_gradient
     T.assert_close(g["head.bias"], ref["grad.head.bias"], "gradient of the head bias")
     with torch.no_grad():
         T.assert_close(m.head(m.vit_features(b.pixel_values, list(range(6)))), ref["eval_logits"], "eval logits")
+
+
+def test_star_prompt_first_level_matches_the_official_keys_loss_and_gradient():
+    """The first level against mammoth's first-stage Prompter on OpenAI's CLIP text code with the same tiny
+    text weights (official/star_prompt_first.json): every class's key from "<ctx_c> <name>.", task 1's
+    image-text logits, the loss with the orthogonality term, the gradient of the context tokens."""
+    ref = T.official("star_prompt_first")["values"]
+    from mcit.registry import METHODS
+
+    cls = METHODS.get("star_prompt")
+    clip, vit = T.clip(), T.vit()
+    torch.manual_seed(2)
+    m = cls(cls.Params(clip_path="unused"), vit, T.sequence(), auxiliary={"clip": clip})
+    query = torch.randn(4, 16, generator=torch.Generator().manual_seed(13))
+    m.clip_query = lambda pixel_values: query
+    with torch.no_grad():
+        T.assert_close(m.compute_keys(list(range(6))), ref["keys"], "keys of every class")
+    m.set_phase("first")
+    m.before_task(1)
+    m.set_task(1)
+    b = T.batch(1)
+    out = m.train_outputs(b)
+    T.assert_close(out["logits"], T.as_tensor(ref["train_logits"])[:, 3:], "image-text logits (task 1's classes)")
+    T.assert_close(out["reg"] / m.params.lambda_ortho_first, ref["ortho"], "orthogonality loss")
+    loss = T.train_loss(m, b)
+    T.assert_close(loss, ref["loss"], "loss")
+    loss.backward()
+    T.assert_close(m.ctx.grad, ref["grad.ctx"], "gradient of the context tokens")

@@ -8,6 +8,7 @@ repository, commit, the functions that ran, and what was compared. The official 
 folder outside this repository (timm 0.6.7 / 0.9.12 as its requirements pin, with the same CPU torch);
 only its printed numbers are here.
 
+Tolerance: 1e-5, relative to the largest official magnitude where that exceeds 1 (``assert_close``).
 Gradients are compared rather than Adam's first step (which is lr * sign(g) up to eps and would hide a
 wrong gradient magnitude); where a method rewrites the update itself (projection) the rewritten update
 is compared.
@@ -57,8 +58,8 @@ def clip(layers: int = 4):
 
     torch.manual_seed(0)
     cfg = CLIPConfig(text_config={"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
-                                  "intermediate_size": 32, "vocab_size": 64, "max_position_embeddings": 16,
-                                  "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 1},
+                                  "intermediate_size": 64, "vocab_size": 64, "max_position_embeddings": 16,
+                                  "bos_token_id": 62, "eos_token_id": 63, "pad_token_id": 63},
                      vision_config={"hidden_size": 24, "num_hidden_layers": layers, "num_attention_heads": 2,
                                     "intermediate_size": 48, "image_size": 16, "patch_size": 4,
                                     "hidden_act": "quick_gelu", "layer_norm_eps": 1e-5},
@@ -80,14 +81,16 @@ def clip(layers: int = 4):
 
 
 def _word_tokenizer():
-    """A word-level tokenizer for the tiny CLIP's 64-token vocabulary ("X", ".", digits; <bos> 0, <eos> 1)."""
+    """A word-level tokenizer for the tiny CLIP's 64-token vocabulary ("X", ".", digits). As in OpenAI's
+    vocabulary, end-of-text has the largest id (63), so pooling at the argmax of the ids (the official
+    CLIP code) and at the first end-of-text token (transformers') pick the same position."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {"<bos>": 0, "<eos>": 1, "<unk>": 2, "X": 3, ".": 4, **{str(i): 5 + i for i in range(10)}}
+    vocab = {"<bos>": 62, "<eos>": 63, "<unk>": 2, "X": 3, ".": 4, **{str(i): 5 + i for i in range(10)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
-    tok.post_processor = processors.TemplateProcessing(single="<bos> $A <eos>", special_tokens=[("<bos>", 0), ("<eos>", 1)])
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A <eos>", special_tokens=[("<bos>", 62), ("<eos>", 63)])
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<eos>",
                                    unk_token="<unk>")
 
@@ -151,10 +154,14 @@ def max_diff(ours: torch.Tensor, ref: Any) -> float:
 
 
 def assert_close(ours: torch.Tensor, ref: Any, what: str, tol: float = TOL) -> float:
+    """Max abs difference at most ``tol``, times the largest official magnitude where that exceeds 1
+    (float32 carries about 7 significant digits: a gradient entry of 17 cannot agree to 1e-5 absolute)."""
     d = max_diff(ours, ref)
+    scale = max(1.0, float(as_tensor(ref).abs().max())) if as_tensor(ref).numel() else 1.0
     report = os.environ.get("MCIT_REFERENCE_REPORT")  # the note's per-method table: test, quantity, max diff
     if report:
         with open(report, "a") as f:
-            f.write(f"{os.environ.get('PYTEST_CURRENT_TEST', '?').split(' ')[0]}\t{what}\t{d:.3g}\n")
-    assert d <= tol, f"{what}: max abs difference {d:.3g} from the official value (tolerance {tol})"
+            f.write(f"{os.environ.get('PYTEST_CURRENT_TEST', '?').split(' ')[0]}\t{what}\t{d:.3g}\t{scale:.3g}\n")
+    assert d <= tol * scale, (f"{what}: max abs difference {d:.3g} from the official value (tolerance {tol} x "
+                              f"{scale:.3g})")
     return d
