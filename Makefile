@@ -9,7 +9,7 @@ CIL_METHODS  ?= seq l2p l2p_pgp dualprompt dualprompt_pgp coda_prompt hide_promp
 CIL_CONFIGS  ?= $(foreach m,$(CIL_METHODS),configs/digits_$(m).yaml)
 RUN := PATH=$(abspath $(BIN)):$$PATH DS_ACCELERATOR=cpu CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1
 
-.PHONY: install data data-cil demo demo-cil sweep-demo test test-unit bench clean clean-data
+.PHONY: install data data-cil demo demo-cil study-cil sweep-demo test test-unit bench clean clean-data
 
 install: $(VENV)/.installed
 
@@ -66,6 +66,14 @@ demo-cil: data-cil
 	  $(RUN) deepspeed --num_gpus $(NPROC) pipelines/run_task_sequence.py --config $$c || exit 1; \
 	done
 	$(BIN)/python -m mcit.report $(foreach c,$(CIL_CONFIGS),runs/$(basename $(notdir $(c))))
+
+# The CIL comparison judged on means: every embedded CIL method over CIL_SEEDS (3 seeds: 48 runs of 2 CPU ranks,
+# about 40 minutes here), then mean ± std per method in runs/sweeps/cil_seeds/aggregate.md. One seed alone does
+# not rank these methods (their spread over seeds is larger than most gaps between them).
+CIL_SEEDS ?= 0 1 2
+study-cil: data-cil
+	$(RUN) $(BIN)/python -m pipelines.sweep $(foreach c,$(CIL_CONFIGS),--config $(c)) --seeds $(CIL_SEEDS) \
+	  --name cil_seeds --nproc $(NPROC)
 
 # A study: VPT-NSP²'s stability-plasticity curve over eta, 3 seeds, on the embedded benchmark (15 runs, each on
 # NPROC CPU ranks through the DeepSpeed launcher), then the aggregated table and figures in runs/sweeps/.

@@ -4,9 +4,9 @@ the gate's tau and alpha and the head, and inference with a given task's prompt.
 
 from __future__ import annotations
 
+import tiny_inputs as T
 import torch
 
-import tiny_inputs as T
 from mcit.methods.prompting import gather_prefix
 
 
@@ -18,16 +18,7 @@ def test_norga_matches_the_official_gated_forward_loss_and_gradients():
         m.gate_alpha.copy_(1 + 0.3 * torch.randn(5, generator=torch.Generator().manual_seed(7)))
     m.before_task(0)
     b = T.batch(0)
-    out = m.train_outputs(b)
-    T.assert_close(out["logits"], ref["train_logits"], "train logits")
-    terms = m.loss(b, out)
-    T.assert_close(terms.regularizer, ref["orth"], "contrastive loss")
-    loss = terms.task.mean() + terms.regularizer
-    T.assert_close(loss, ref["loss"], "loss")
-    loss.backward()
-    g = T.grads(m)
-    for name in ("e_prompt", "gate_tau", "gate_alpha", "head.weight", "head.bias"):
-        T.assert_close(g[name], ref[f"grad.{name}"], f"gradient of {name}")
+    T.check_wtp_step(m, b, ref, ["e_prompt", "gate_tau", "gate_alpha", "head.weight", "head.bias"])
     with torch.no_grad():
         prefix = gather_prefix(m.e_prompt, torch.ones(4, 1, dtype=torch.long))
         T.assert_close(m.head(m.prompted_features(b.pixel_values, prefix)), ref["eval_logits_prompt1"],

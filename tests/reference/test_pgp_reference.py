@@ -9,9 +9,9 @@ space and on which rows.
 
 from __future__ import annotations
 
+import tiny_inputs as T
 import torch
 
-import tiny_inputs as T
 from mcit.data.types import Batch
 
 

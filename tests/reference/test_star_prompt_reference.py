@@ -8,19 +8,23 @@ first level's CLIP, which the official code runs through the openai ``clip`` pac
 
 from __future__ import annotations
 
+import tiny_inputs as T
 import torch
 
-import tiny_inputs as T
 
-
-def test_star_prompt_second_level_matches_the_official_forward_loss_and_gradients():
-    ref = T.official("star_prompt")["values"]
+def star():
+    """The project's STAR-Prompt on the tiny ViT with the tiny CLIP, its parameters drawn after both were built."""
     from mcit.registry import METHODS
 
     cls = METHODS.get("star_prompt")
     clip, vit = T.clip(), T.vit()
-    torch.manual_seed(2)  # the method's parameters drawn after both backbones were built
-    m = cls(cls.Params(clip_path="unused"), vit, T.sequence(), auxiliary={"clip": clip})
+    torch.manual_seed(2)
+    return cls(cls.Params(clip_path="unused"), vit, T.sequence(), auxiliary={"clip": clip})
+
+
+def test_star_prompt_second_level_matches_the_official_forward_loss_and_gradients():
+    ref = T.official("star_prompt")["values"]
+    m = star()
     query = T.as_tensor(ref["query"]).float()
     m.clip_query = lambda pixel_values: query  # the first level's CLIP embedding of these images
     with torch.no_grad():
@@ -37,12 +41,7 @@ def test_star_prompt_second_level_matches_the_official_forward_loss_and_gradient
     loss = T.train_loss(m, b)
     T.assert_close(loss, ref["loss"], "loss")
     loss.backward()
-    g = T.grads(m)
-    for layer in range(6):
-        T.assert_close(g[f"p_{layer}"], ref[f"grad.p_{layer}"], f"gradient of p_{layer}")
-        T.assert_close(g[f"a_{layer}"], ref[f"grad.a_{layer}"], f"gradient of a_{layer}")
-    T.assert_close(g["head.weight"], ref["grad.head.weight"], "gradient of the head")
-    T.assert_close(g["head.bias"], ref["grad.head.bias"], "gradient of the head bias")
+    T.check_gradients(m, ref, [f"{k}_{layer}" for layer in range(6) for k in "pa"] + ["head.weight", "head.bias"])
     with torch.no_grad():
         T.assert_close(m.head(m.vit_features(b.pixel_values, list(range(6)))), ref["eval_logits"], "eval logits")
 
@@ -52,12 +51,7 @@ def test_star_prompt_first_level_matches_the_official_keys_loss_and_gradient():
     text weights (official/star_prompt_first.json): every class's key from "<ctx_c> <name>.", task 1's
     image-text logits, the loss with the orthogonality term, the gradient of the context tokens."""
     ref = T.official("star_prompt_first")["values"]
-    from mcit.registry import METHODS
-
-    cls = METHODS.get("star_prompt")
-    clip, vit = T.clip(), T.vit()
-    torch.manual_seed(2)
-    m = cls(cls.Params(clip_path="unused"), vit, T.sequence(), auxiliary={"clip": clip})
+    m = star()
     query = torch.randn(4, 16, generator=torch.Generator().manual_seed(13))
     m.clip_query = lambda pixel_values: query
     with torch.no_grad():

@@ -1,18 +1,27 @@
-"""VPT-NSP² (ViT) against zugexiaodui/VPTinNSforCL on the same tiny ViT, images and prompts
-(official/vpt_nsp2.json): the null spaces and projections from task 0's statistics, task 1's forward, the
-loss with L_LN, the gradients and the projected update."""
+"""VPT-NSP² against zugexiaodui/VPTinNSforCL on the same tiny ViT / CLIP image encoder, images and prompts
+(official/vpt_nsp2.json, official/vpt_nsp2_clip.json): the null spaces and projections from task 0's
+statistics, task 1's forward (linear heads on the ViT; image-text logits with the trainable logit scale on
+CLIP), the loss with L_LN, the gradients and the projected update."""
 
 from __future__ import annotations
 
+import pytest
+import tiny_inputs as T
 import torch
 
-import tiny_inputs as T
 from mcit.data.types import Batch
 
+CASES = {  # official numbers -> (backbone, method params: the official CLIP runs' prompt blocks, temperature, eta)
+    "vpt_nsp2": (T.vit, {}),
+    "vpt_nsp2_clip": (T.clip, {"layers": [0, 1, 2, 3], "temperature": 1.0, "eta1": 0.98, "eta2": 0.98, "refine_head": False}),
+}
 
-def test_vpt_nsp2_matches_the_official_null_space_projection_loss_and_gradients():
-    ref = T.official("vpt_nsp2")["values"]
-    m = T.method("vpt_nsp2", T.vit())
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_vpt_nsp2_matches_the_official_null_space_projection_loss_and_gradients(case):
+    ref = T.official(case)["values"]
+    backbone, params = CASES[case]
+    m = T.method("vpt_nsp2", backbone(), **params)
     m.before_task(0)
     m.after_task(0)
     m.set_task(0)
@@ -35,5 +44,8 @@ def test_vpt_nsp2_matches_the_official_null_space_projection_loss_and_gradients(
     g = T.grads(m)
     T.assert_close(g["prompt"], ref["grad.prompt"], "gradient of the prompts")
     T.assert_close(m.project_update("prompt", g["prompt"]), ref["projected_grad.prompt"], "projected update")
-    T.assert_close(g["head.weight"][3:], ref["grad.head.weight_task1"], "gradient of task 1's head")
-    T.assert_close(g["head.bias"][3:], ref["grad.head.bias_task1"], "gradient of task 1's head bias")
+    if case == "vpt_nsp2":  # per-task heads: task 1's rows
+        T.assert_close(g["head.weight"][3:], ref["grad.head.weight_task1"], "gradient of task 1's head")
+        T.assert_close(g["head.bias"][3:], ref["grad.head.bias_task1"], "gradient of task 1's head bias")
+    else:
+        T.assert_close(g["logit_scale"].reshape(()), ref["grad.logit_scale"], "gradient of the logit scale")

@@ -137,6 +137,38 @@ def grads(m) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in m.named_parameters() if p.grad is not None}
 
 
+def check_gradients(m, ref: dict, names: list[str]) -> None:
+    """Each parameter's gradient against ``ref["grad.<name>"]``."""
+    g = grads(m)
+    for name in names:
+        assert_close(g[name], ref[f"grad.{name}"], f"gradient of {name}")
+
+
+def check_train_step(m, b, ref: dict, names: list[str], logits: str = "train_logits") -> dict:
+    """The training forward's logits, the loss the engine minimises and the gradients of ``names``."""
+    out = m.train_outputs(b)
+    assert_close(out["logits"], ref[logits], "train logits")
+    loss = train_loss(m, b)
+    assert_close(loss, ref["loss"], "loss")
+    loss.backward()
+    check_gradients(m, ref, names)
+    return out
+
+
+def check_wtp_step(m, b, ref: dict, names: list[str]) -> None:
+    """HiDe-Prompt / NoRGa: the within-task loss the official engine minimises (cross-entropy plus the
+    contrastive term; our TII head's cross-entropy, trained in the same pass, is left out: it reaches none of
+    the compared gradients) and the gradients of ``names``."""
+    out = m.train_outputs(b)
+    assert_close(out["logits"], ref["train_logits"], "train logits")
+    terms = m.loss(b, out)
+    assert_close(terms.regularizer, ref["orth"], "contrastive loss")
+    loss = terms.task.mean() + terms.regularizer
+    assert_close(loss, ref["loss"], "loss")
+    loss.backward()
+    check_gradients(m, ref, names)
+
+
 def official(name: str) -> dict[str, Any]:
     return json.loads((OFFICIAL / f"{name}.json").read_text())
 
