@@ -118,15 +118,19 @@ class CodaPrompt(Method):
             out[layer] = LayerPrompt(key=per_head(prompt[:, :half], h), value=per_head(prompt[:, half:], h))
         return out
 
-    def _logits(self, pixel_values: torch.Tensor, train_task: int | None) -> torch.Tensor:
+    def logits(self, pixel_values: torch.Tensor, train_task: int | None) -> torch.Tensor:
+        """Logits with task ``train_task``'s components trainable and earlier ones frozen; None: inference with
+        every component trained so far."""
         query = self.backbone.cls_features(pixel_values).to(self.key.dtype)
         hidden = self.backbone.encode(self.backbone.embed(pixel_values), self.layer_prompts(query, train_task))
         return self.head(hidden[:, 0].to(self.head.weight.dtype))
 
     def train_outputs(self, batch: Batch) -> dict[str, torch.Tensor]:
-        return {"logits": self._logits(batch.pixel_values, batch.task)}
+        return {"logits": self.logits(batch.pixel_values, batch.task)}
 
-    def _ortho_penalty(self, task: int) -> torch.Tensor:
+    def ortho_penalty(self, task: int) -> torch.Tensor:
+        """The official penalty: mean squared deviation from the identity of each of K, A, P's Gram matrices
+        over components 0..task (the older ones detached), summed over blocks (times ``ortho_mu`` in the loss)."""
         total = self.key.new_zeros(())
         for i in range(len(self.params.layers)):
             for tensor in (self.key, self.attn, self.prompt):
@@ -139,9 +143,9 @@ class CodaPrompt(Method):
         if self.params.train_mask:
             logits = mask_to_classes(logits, self.sequence.tasks[batch.task].classes)
         ce = F.cross_entropy(logits, batch.labels, reduction="none")
-        reg = self.params.ortho_mu * self._ortho_penalty(batch.task) if self.params.ortho_mu > 0 else None
+        reg = self.params.ortho_mu * self.ortho_penalty(batch.task) if self.params.ortho_mu > 0 else None
         return LossTerms(per_sample=ce, regularizer=reg)
 
     @torch.no_grad()
     def predict(self, batch: Batch) -> torch.Tensor:
-        return self.restrict(self._logits(batch.pixel_values, None), batch).argmax(dim=-1)
+        return self.restrict(self.logits(batch.pixel_values, None), batch).argmax(dim=-1)
