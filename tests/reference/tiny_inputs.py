@@ -6,7 +6,7 @@ the seeded images, and the method's parameters as ``method()`` initialises them 
 official modules). Each ``official/<method>.json`` holds the official numbers and a ``source`` record:
 repository, commit, the functions that ran, and what was compared. The official code ran in a scratch
 folder outside this repository (timm 0.6.7 / 0.9.12 as its requirements pin, with the same CPU torch);
-only its printed numbers are here.
+only its numbers are here (rounded to 9 significant digits, beyond float32 precision).
 
 Tolerance: 1e-5, relative to the largest official magnitude where that exceeds 1 (``assert_close``).
 Gradients are compared rather than Adam's first step (which is lr * sign(g) up to eps and would hide a
