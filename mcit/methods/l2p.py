@@ -5,9 +5,10 @@ As in the paper and JH-LEE-KR/l2p-pytorch: a pool of ``pool_size`` prompts of le
 the ``top_k`` keys with the highest cosine similarity select the prompts, which are inserted between
 [CLS] and the patch tokens, each with the [CLS] token's position embedding added (the official code
 repeats the [CLS] entry of its position table over the prompt slots; ``prompt_position: none`` leaves
-it out, a fixed offset of the prompts' starting point); the head reads the mean of the prompt outputs; the loss is cross-entropy with the
-logits of classes outside the current task masked out, minus ``pull_coeff`` times the summed
-query-key similarity of the selected keys (the surrogate loss that pulls keys to their queries).
+it out, a fixed offset of the prompts' starting point); the head reads the mean of the prompt
+outputs; the loss is cross-entropy with the logits of classes outside the current task masked out,
+minus ``pull_coeff`` times the summed query-key similarity of the selected keys (the surrogate loss
+that pulls keys to their queries).
 
 Selection is per sample. The official code's default selects one set of prompts for the whole batch
 by majority vote (``batchwise_prompt``), which makes test accuracy depend on the test batch size and
