@@ -22,6 +22,22 @@ def star():
     return cls(cls.Params(clip_path="unused"), vit, T.sequence(), auxiliary={"clip": clip})
 
 
+def task1_step(m, phase: str, ref: dict, lambda_ortho: float):
+    """Task 1 of ``phase``: logits over task 1's classes (the official ones past classes at -inf), the
+    orthogonality term, the loss; back-propagates it and returns the batch."""
+    m.set_phase(phase)
+    m.before_task(1)
+    m.set_task(1)
+    b = T.batch(1)
+    out = m.train_outputs(b)
+    T.assert_close(out["logits"], T.as_tensor(ref["train_logits"])[:, 3:], f"{phase} level logits (task 1's classes)")
+    T.assert_close(out["reg"] / lambda_ortho, ref["ortho"], "orthogonality loss")
+    loss = T.train_loss(m, b)
+    T.assert_close(loss, ref["loss"], "loss")
+    loss.backward()
+    return b
+
+
 def test_star_prompt_second_level_matches_the_official_forward_loss_and_gradients():
     ref = T.official("star_prompt")["values"]
     m = star()
@@ -31,16 +47,7 @@ def test_star_prompt_second_level_matches_the_official_forward_loss_and_gradient
         m.keys.copy_(T.as_tensor(ref["keys"]).float())
         m.head_backup_w.copy_(m.head.weight)  # the head as task 0 left it, which task 1 recalls
         m.head_backup_b.copy_(m.head.bias)
-    m.set_phase("second")
-    m.before_task(1)
-    m.set_task(1)
-    b = T.batch(1)
-    out = m.train_outputs(b)
-    T.assert_close(out["logits"], T.as_tensor(ref["train_logits"])[:, 3:], "train logits (task 1's classes)")
-    T.assert_close(out["reg"] / m.params.lambda_ortho_second, ref["ortho"], "orthogonality loss")
-    loss = T.train_loss(m, b)
-    T.assert_close(loss, ref["loss"], "loss")
-    loss.backward()
+    b = task1_step(m, "second", ref, m.params.lambda_ortho_second)
     T.check_gradients(m, ref, [f"{k}_{layer}" for layer in range(6) for k in "pa"] + ["head.weight", "head.bias"])
     with torch.no_grad():
         T.assert_close(m.head(m.vit_features(b.pixel_values, list(range(6)))), ref["eval_logits"], "eval logits")
@@ -56,14 +63,5 @@ def test_star_prompt_first_level_matches_the_official_keys_loss_and_gradient():
     m.clip_query = lambda pixel_values: query
     with torch.no_grad():
         T.assert_close(m.compute_keys(list(range(6))), ref["keys"], "keys of every class")
-    m.set_phase("first")
-    m.before_task(1)
-    m.set_task(1)
-    b = T.batch(1)
-    out = m.train_outputs(b)
-    T.assert_close(out["logits"], T.as_tensor(ref["train_logits"])[:, 3:], "image-text logits (task 1's classes)")
-    T.assert_close(out["reg"] / m.params.lambda_ortho_first, ref["ortho"], "orthogonality loss")
-    loss = T.train_loss(m, b)
-    T.assert_close(loss, ref["loss"], "loss")
-    loss.backward()
+    task1_step(m, "first", ref, m.params.lambda_ortho_first)
     T.assert_close(m.ctx.grad, ref["grad.ctx"], "gradient of the context tokens")
