@@ -125,6 +125,8 @@ class TrainConfig(_Strict):
     grad_clip: float = Field(0.0, ge=0, description="0 disables clipping")
     lr_schedule: Literal["constant", "cosine", "multistep"] = Field(
         "constant", description="per-epoch learning-rate schedule within each task (restarts every task)")
+    lr_min: float = Field(0.0, ge=0, description="cosine: the floor every parameter group decays to (timm's "
+                                                   "min_lr: 1e-5 in the HiDe-Prompt / NoRGa code bases)")
     lr_milestones: list[int] = Field(default_factory=list, description="multistep: epochs where lr *= lr_decay")
     lr_decay: float = Field(0.1, gt=0, le=1)
     checkpoint_every: int = Field(50, ge=1, description="optimizer steps between step checkpoints")

@@ -9,6 +9,7 @@ The engine calls no method hook: ``mcit.lifecycle`` does, around ``TaskTrainer.t
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import shutil
@@ -188,12 +189,16 @@ def consolidated_state(engine: Any, stage: int) -> dict[str, torch.Tensor]:
     return state
 
 
-def lr_factor(cfg: RunConfig, step: int, steps_per_epoch: int) -> float:
-    """``train.lr_schedule`` at optimizer step ``step`` (epoch-wise, as the papers' timm schedulers)."""
+def lr_factor(cfg: RunConfig, step: int, steps_per_epoch: int, base_lr: float | None = None) -> float:
+    """``train.lr_schedule`` at optimizer step ``step`` (epoch-wise, as the papers' timm schedulers), as a
+    factor of the group's ``base_lr``. Cosine decays to the absolute floor ``lr_min`` for every group, as
+    timm's CosineLRScheduler does (so a head at 0.1 x lr reaches the same floor as the prompts)."""
     t = cfg.train
     epoch = step // max(steps_per_epoch, 1)
     if t.lr_schedule == "cosine":
-        return 0.5 * (1 + math.cos(math.pi * min(epoch, t.epochs) / t.epochs))
+        cos = 0.5 * (1 + math.cos(math.pi * min(epoch, t.epochs) / t.epochs))
+        base = t.lr if base_lr is None else base_lr
+        return (t.lr_min + (base - t.lr_min) * cos) / base
     if t.lr_schedule == "multistep":
         return t.lr_decay ** sum(1 for m in t.lr_milestones if epoch >= m)
     return 1.0
@@ -217,7 +222,8 @@ def setup_engine(cfg: RunConfig, method: Method, world: int, steps_per_epoch: in
         kwargs["optimizer"] = make_optimizer(cfg, params)
     if cfg.train.lr_schedule != "constant":
         kwargs["lr_scheduler"] = lambda opt: torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda step: lr_factor(cfg, step, steps_per_epoch))
+            opt, [functools.partial(lr_factor, cfg, steps_per_epoch=steps_per_epoch, base_lr=g["lr"])
+                  for g in opt.param_groups])
     engine, _, _, _ = deepspeed.initialize(**kwargs)
     return engine, stage
 

@@ -15,19 +15,25 @@ Three parts, all per sample at inference:
     the contrastive regulariser ``reg`` pulls each feature to itself and away from the stored class
     means of earlier tasks (temperature 0.8, the official ``orth_loss``);
   * task-adaptive prediction (TAP): after each task t > 0 both heads are re-trained on samples drawn
-    from stored per-class Gaussians (mean and covariance, or the diagonal with ``ca_storage:
-    variance``) of every class seen so far: the TII head on frozen features, the WTP head on
+    from stored per-class Gaussians of every class seen so far (``ca_storage``: ``multi-centroid``, the
+    official default: k-means with ``n_centroids`` clusters per class, each a diagonal Gaussian with the
+    cluster's population variance + 1e-4, clusters of zero variance skipped; ``covariance``, what NoRGa's
+    scripts run: one full Gaussian per class, torch.cov + 1e-4 I; ``variance``: its diagonal): the TII head on frozen features, the WTP head on
     prompted features (each class through its own task's prompt). SGD, momentum 0.9, cosine
     schedule, weight decay ``ca_weight_decay`` = 0: the official optimizer is built with 5e-4, but
     its parameter group sets ``args.weight_decay``, which is 0.0 in the official runs (``--weight-decay``,
     default 0.0, is declared before ``--weight_decay`` and argparse keeps the first default).
 
-The class statistics come from the pipeline's subspace stage (summed over ranks; rank 0 fits the
-Gaussians and runs TAP, seeded, then the state is broadcast). Differences from the official code,
+The class statistics come from the pipeline's subspace stage (summed over ranks, or for
+``multi-centroid`` every feature gathered to rank 0; rank 0 fits the Gaussians and runs TAP, seeded,
+then the state is broadcast). With ``multi-centroid`` the contrastive term reads every stored centroid,
+as the official ``orth_loss`` does with its lists of cluster means; k-means is scikit-learn's (the
+official requirements pin 1.0.2, whose default ``n_init`` is 10; here ``n_init=10`` and a seeded
+RandomState that runs through the task's classes in order, where the official code uses numpy's global
+one); a class with fewer samples than ``n_centroids`` keeps that many clusters (the official code stops). Differences from the official code,
 and why: the TII head is trained in the same pass as the prompts (with its own learning rate,
 ``tii_lr_scale``) instead of a separate run; the prefix is built with a permute, not the public
-reshape (docs/architecture.md, "Known faults"); the official default ``multi-centroid`` storage needs every raw feature on
-one process (k-means) and is left out in favour of the streamed covariance / variance options.
+reshape (docs/architecture.md, "Known faults").
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from __future__ import annotations
 import math
 from typing import Literal
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from pydantic import Field
@@ -56,7 +63,9 @@ class HiDePromptParams(MethodParams):
     head_lr_scale: float = Field(0.1, gt=0, description="head lr / prompt lr (the official larger_prompt_lr)")
     tii_mlp: list[int] = Field(default_factory=lambda: [2], description="TII MLP hidden widths, multiples of D")
     tii_lr_scale: float = Field(1.0, gt=0, description="TII head lr / prompt lr")
-    ca_storage: Literal["covariance", "variance"] = "covariance"
+    ca_storage: Literal["multi-centroid", "covariance", "variance"] = Field(
+        "multi-centroid", description="class statistics for TAP (official default multi-centroid)")
+    n_centroids: int = Field(10, ge=1, description="k-means clusters per class with ca_storage multi-centroid")
     ca_epochs: int = Field(30, ge=0, description="TAP epochs after each task > 0 (0 disables TAP)")
     ca_lr: float = Field(0.005, gt=0, description="TAP lr (the prompted head's alignment)")
     tii_ca_epochs: int | None = Field(None, ge=0, description="TII head alignment epochs; default ca_epochs (the "
@@ -112,10 +121,14 @@ class HiDePrompt(Method):
         for t, info in enumerate(sequence.tasks):
             task_of[list(info.classes)] = t
         self.register_buffer("task_of_class", task_of, persistent=False)
-        cov_shape = (c, d, d) if params.ca_storage == "covariance" else (c, d)
+        k = params.n_centroids
+        mean_shape = (c, k, d) if params.ca_storage == "multi-centroid" else (c, d)
+        cov_shape = {"covariance": (c, d, d), "variance": (c, d), "multi-centroid": (c, k, d)}[params.ca_storage]
         for kind in ("frozen", "prompted"):
-            self.register_buffer(f"{kind}_mean", torch.zeros(c, d))
+            self.register_buffer(f"{kind}_mean", torch.zeros(mean_shape))
             self.register_buffer(f"{kind}_cov", torch.zeros(cov_shape))
+            if params.ca_storage == "multi-centroid":  # which of a class's k slots hold a cluster
+                self.register_buffer(f"{kind}_used", torch.zeros(c, k, dtype=torch.bool))
         self.register_buffer("seen", torch.zeros(c, dtype=torch.bool))
         self.register_buffer("init_seed", torch.randint(0, 2**31 - 1, ()))
         self.ca_log: dict[str, float] = {}
@@ -167,7 +180,11 @@ class HiDePrompt(Method):
 
     def contrastive(self, feats: torch.Tensor) -> torch.Tensor:
         """The official orth_loss: each row of [stored class means; features] classifies itself."""
-        m = torch.cat([self.prompted_mean[self.seen].to(feats), feats], dim=0)
+        if self.params.ca_storage == "multi-centroid":
+            means = self.prompted_mean[self.prompted_used & self.seen.unsqueeze(1)]  # every centroid, class order
+        else:
+            means = self.prompted_mean[self.seen]
+        m = torch.cat([means.to(feats), feats], dim=0)
         sim = m @ m.t() / self.params.reg_temperature
         return F.cross_entropy(sim, torch.arange(m.shape[0], device=m.device))
 
@@ -208,13 +225,24 @@ class HiDePrompt(Method):
         # the stored prompt as after_task left it (momentum already mixed in; not applied again)
         prefix = self.e_prompt[:, :, t].unsqueeze(1).expand(-1, x.shape[0], -1, -1, -1, -1)
         feats = {"frozen": self.backbone.cls_features(x), "prompted": self.prompted_features(x, prefix)}
+        if self.params.ca_storage == "multi-centroid":  # k-means needs the features themselves
+            out = {f"cat:{kind}": f.float().cpu() for kind, f in feats.items()}
+            out["cat:labels"] = y.cpu()
+            return out
         for kind, f in feats.items():
             out[f"{kind}_sum"], out[f"{kind}_outer"] = class_moments(onehot, f, self.params.ca_storage == "covariance")
         return out
 
+    def kmeans_seed(self, task: int) -> int:
+        return (int(self.init_seed) + 7919 * task) % 2**31
+
     def finalize_statistics(self, reduced: dict[str, torch.Tensor], task: int) -> None:
         classes = list(self.sequence.tasks[task].classes)
         for kind in ("frozen", "prompted"):
+            if self.params.ca_storage == "multi-centroid":
+                self._fit_centroids(kind, reduced[f"cat:{kind}"], reduced["cat:labels"].long(), classes,
+                                    np.random.RandomState(self.kmeans_seed(task)))
+                continue
             mean, cov = moments_to_gaussians(reduced["n"], reduced[f"{kind}_sum"], reduced[f"{kind}_outer"])
             getattr(self, f"{kind}_mean")[classes] = mean.to(self.head.weight.dtype).cpu().to(self.seen.device)
             getattr(self, f"{kind}_cov")[classes] = cov.to(self.head.weight.dtype).cpu().to(self.seen.device)
@@ -231,6 +259,37 @@ class HiDePrompt(Method):
                 self.ca_log["tap_loss"] = self._align(self.head, "prompted", task, 5 * p.ca_batch_size, g, p.ca_lr,
                                                       p.ca_epochs)
 
+    def _fit_centroids(self, kind: str, feats: torch.Tensor, labels: torch.Tensor, classes: list[int],
+                       rs: np.random.RandomState) -> None:
+        """The official multi-centroid ``_compute_mean``: k-means per class, each cluster's mean and
+        population variance, all in float32 as there (the official features are float32 numpy arrays)."""
+        from sklearn.cluster import KMeans
+
+        means, variances, used = (getattr(self, f"{kind}_{n}") for n in ("mean", "cov", "used"))
+        for c in classes:
+            x = feats[labels == c].detach().float().cpu().numpy()
+            if len(x) == 0:
+                raise ValueError(f"hide_prompt: no training sample of class {c} reached the class statistics")
+            k = min(self.params.n_centroids, len(x))
+            assign = KMeans(n_clusters=k, n_init=10, random_state=rs).fit(x).labels_
+            means[c], variances[c], used[c] = 0.0, 0.0, False
+            for i in range(k):
+                members = x[assign == i]
+                means[c, i] = torch.from_numpy(np.mean(members, axis=0)).to(means.dtype)
+                variances[c, i] = torch.from_numpy(np.var(members, axis=0)).to(means.dtype)
+                used[c, i] = True
+
+    def replay_gaussians(self, kind: str) -> list:
+        """(class, mean, scale) per Gaussian to draw from: one per class, or one per non-degenerate cluster."""
+        seen = torch.nonzero(self.seen).flatten().tolist()
+        means, covs = getattr(self, f"{kind}_mean"), getattr(self, f"{kind}_cov")
+        if self.params.ca_storage != "multi-centroid":
+            return gaussian_factors(means, covs, seen)
+        used = getattr(self, f"{kind}_used")
+        return [(c, means[c, i].double().cpu(), torch.diag((covs[c, i].double().cpu() + 1e-4).sqrt()))
+                for c in seen for i in range(self.params.n_centroids)
+                if used[c, i] and float(covs[c, i].double().mean()) != 0.0]  # official: `if var.mean() == 0: continue`
+
     def _align(self, module: nn.Module, kind: str, task: int, per_class: int, g: torch.Generator, lr: float,
                epochs: int) -> float:
         """The official train_task_adaptive_prediction: SGD on Gaussian samples of every seen class."""
@@ -239,8 +298,10 @@ class HiDePrompt(Method):
         opt = torch.optim.SGD(module.parameters(), lr=lr, momentum=0.9, weight_decay=self.params.ca_weight_decay)
         steps = sum(len(self.sequence.tasks[i].classes) for i in range(task))  # the official crct_num
         allowed = self.seen.to(dev)
-        factors = gaussian_factors(getattr(self, f"{kind}_mean"), getattr(self, f"{kind}_cov"),
-                                   torch.nonzero(self.seen).flatten().tolist())
+        factors = self.replay_gaussians(kind)
+        if not factors:  # every cluster a single sample (the official code stops on an empty torch.cat)
+            raise ValueError(f"hide_prompt: no class of tasks 0-{task} has a cluster of two or more samples to "
+                             f"draw from; lower method.n_centroids ({self.params.n_centroids})")
         loss = torch.zeros(())
         for epoch in range(epochs):
             for group in opt.param_groups:

@@ -19,6 +19,7 @@ from typing import Callable, Literal
 
 import torch
 import torch.nn.functional as F
+from pydantic import Field
 from torch import nn
 
 from mcit.data.types import TaskSequence
@@ -35,6 +36,8 @@ class NoRGaParams(HiDePromptParams):
     alpha_init: float = 1.0
     gate: bool = True
     gate_trainable: Literal["first_task", "all_tasks"] = "first_task"
+    ca_storage: Literal["multi-centroid", "covariance", "variance"] = Field(
+        "covariance", description="every NoRGa script passes --ca_storage_efficient_method covariance")
 
 
 @METHODS.register("norga")

@@ -14,7 +14,7 @@ from mcit.data.types import Batch
 
 def test_hide_prompt_matches_the_official_statistics_forward_loss_gradients_and_momentum():
     ref = T.official("hide_prompt")["values"]
-    m = T.method("hide_prompt", T.vit(), reg=0.1, prompt_momentum=0.01)
+    m = T.method("hide_prompt", T.vit(), reg=0.1, prompt_momentum=0.01, ca_storage="covariance")
     x8 = T.images(8)
     m.before_task(0)
     m.after_task(0)
@@ -34,3 +34,20 @@ def test_hide_prompt_matches_the_official_statistics_forward_loss_gradients_and_
     m.finalize_statistics(m.statistics(Batch(x8, T.labels(1, 8), torch.ones(8), 1)), 1)
     T.assert_close(m.prompted_mean[3:], ref["mean1"], "task 1 class means")
     T.assert_close(m.prompted_cov[3:], ref["cov1"], "task 1 class covariances")
+
+
+def test_hide_prompt_multi_centroid_statistics_and_contrastive_term_match_the_official():
+    """The official default storage (official/hide_prompt_multi_centroid.json): k-means clusters of each class's
+    prompted features with their means and population variances, and orth_loss over every stored centroid."""
+    ref = T.official("hide_prompt_multi_centroid")["values"]
+    m = T.method("hide_prompt", T.vit(), reg=0.1, prompt_momentum=0.01, n_centroids=3)
+    assert m.params.ca_storage == "multi-centroid"
+    m.init_seed.fill_(11)  # kmeans_seed(0) = 11: the official run seeded numpy's global RandomState with 11
+    m.before_task(0)
+    m.after_task(0)
+    m.set_task(0)
+    m.finalize_statistics(m.statistics(Batch(T.images(24), T.labels(0, 24), torch.ones(24), 0)), 0)
+    T.assert_close(m.prompted_mean[:3], ref["centroid_mean0"], "task 0 cluster means")
+    T.assert_close(m.prompted_cov[:3], ref["centroid_var0"], "task 0 cluster variances")
+    m.before_task(1)
+    T.check_wtp_step(m, T.batch(1), ref, ["e_prompt", "head.weight", "head.bias"])

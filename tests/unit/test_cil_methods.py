@@ -21,7 +21,7 @@ SMALL = {
     "vpt_nsp2": {"prompt_length": 3, "temperature": 1.0},
     "l2p+pgp": {"pool_size": 6, "top_k": 3, "prompt_length": 2},
     "dualprompt+pgp": {"g_layers": [0], "e_layers": [1], "g_prompt_length": 2, "e_prompt_length": 3},
-    "hide_prompt": {"prompt_length": 3, "e_layers": [0, 1], "ca_epochs": 2},
+    "hide_prompt": {"prompt_length": 3, "e_layers": [0, 1], "ca_epochs": 2, "n_centroids": 2},
     "norga": {"prompt_length": 3, "e_layers": [0, 1], "ca_epochs": 2, "activation": "tanh"},
     "soft_tf": {"g_layers": [0], "e_layers": [1], "g_prompt_length": 2, "e_prompt_length": 3},
     # "name:variant" rows: the same method with another inference rule
@@ -211,7 +211,7 @@ def test_hide_prompt_statistics_tap_and_task_inference(backbone, sequence):
     """Class Gaussians from the subspace stage, task-adaptive prediction after task 1, and inference
     that picks each sample's prompt from the TII head's class prediction."""
     torch.manual_seed(5)
-    m = _build("hide_prompt", backbone, sequence)
+    m = _build("hide_prompt", backbone, sequence, ca_storage="covariance")
     g = torch.Generator().manual_seed(0)
     for t, labels in enumerate(([3, 4], [1, 2])):
         m.before_task(t)
@@ -236,6 +236,45 @@ def test_hide_prompt_statistics_tap_and_task_inference(backbone, sequence):
               allowed_classes=m.seen.clone())
     tii_class = m.restrict(m.tii(backbone.cls_features(b.pixel_values)), b).argmax(-1)
     assert torch.equal(m.infer_task(b), m.task_of_class[tii_class])
+
+
+def test_hide_prompt_multi_centroid_is_the_default_and_stores_each_cluster(backbone, sequence):
+    """The official default storage: k-means per class; each cluster's mean and population variance; TAP
+    draws from every cluster of two or more samples (one Gaussian each), the contrastive term reads every
+    centroid. Features: class 3 in two tight blobs (one of them a single sample), class 4 in two blobs."""
+    torch.manual_seed(5)
+    m = _build("hide_prompt", backbone, sequence)
+    assert m.params.ca_storage == "multi-centroid" and m.prompted_mean.shape == (6, 2, 32)
+    g = torch.Generator().manual_seed(0)
+    centres = {3: (torch.full((32,), 5.0), torch.full((32,), -5.0)), 4: (torch.full((32,), 20.0), torch.zeros(32))}
+    counts = {3: (5, 1), 4: (3, 3)}
+    feats, labels = [], []
+    for c in (3, 4):
+        for centre, n in zip(centres[c], counts[c]):
+            feats.append(centre + 0.1 * torch.randn(n, 32, generator=g))
+            labels += [c] * n
+    x, y = torch.cat(feats), torch.tensor(labels)
+    reduced = {"cat:frozen": x, "cat:prompted": x + 1.0, "cat:labels": y}
+    m.finalize_statistics(reduced, 0)
+    for c in (3, 4):
+        got = sorted(range(2), key=lambda i: float(m.frozen_mean[c, i, 0]))
+        for i, (centre, n) in zip(got, sorted(zip(centres[c], counts[c]), key=lambda p: float(p[0][0]))):
+            members = x[(y == c) & ((x - centre).abs().amax(1) < 1)]
+            assert len(members) == n
+            assert torch.allclose(m.frozen_mean[c, i], members.mean(0), atol=1e-5)
+            assert torch.allclose(m.frozen_cov[c, i], members.var(0, unbiased=False), atol=1e-6)
+            assert torch.allclose(m.prompted_mean[c, i], members.mean(0) + 1.0, atol=1e-5)
+    assert m.frozen_used[[3, 4]].all() and not m.frozen_used[[0, 1, 2, 5]].any()
+    factors = m.replay_gaussians("frozen")
+    assert sorted(c for c, _, _ in factors) == [3, 4, 4]  # class 3's single-sample cluster has zero variance
+    for c, mean, scale in factors:
+        i = int((m.frozen_mean[c] - mean.float()).abs().sum(1).argmin())
+        assert torch.allclose(torch.diagonal(scale) ** 2, m.frozen_cov[c, i].double() + 1e-4)
+    # the contrastive term: 4 centroids + the batch's features
+    feats_b = torch.randn(3, 32, generator=g)
+    expected = torch.cat([m.prompted_mean[3], m.prompted_mean[4], feats_b])
+    sim = expected @ expected.t() / 0.8
+    assert torch.allclose(m.contrastive(feats_b), torch.nn.functional.cross_entropy(sim, torch.arange(7)), atol=1e-5)
 
 
 def _hide_task(m, t, labels, g):
@@ -271,7 +310,7 @@ def test_hide_prompt_class_statistics_read_the_stored_prompt(backbone, sequence)
     """after_task writes (1 - m) P_t + m mean(P_<t) into P_t once; the class statistics (official
     ``_compute_mean``: momentum 0) are the features of that stored prompt, not the mix applied again."""
     torch.manual_seed(5)
-    m = _build("hide_prompt", backbone, sequence, prompt_momentum=0.5, ca_epochs=0)
+    m = _build("hide_prompt", backbone, sequence, prompt_momentum=0.5, ca_epochs=0, ca_storage="covariance")
     g = torch.Generator().manual_seed(0)
     _hide_task(m, 0, [3, 4], g)
     m.before_task(1)

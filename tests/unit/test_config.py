@@ -101,6 +101,21 @@ def test_lr_schedule_is_per_epoch(tmp_path, schedule, extra, factors):
     assert got == pytest.approx(factors)
 
 
+def test_cosine_floor_matches_timm_for_every_parameter_group(tmp_path):
+    """lr_min is timm's absolute floor for every group. Reference: timm 0.6.7 CosineLRScheduler(t_initial=4,
+    lr_min=1e-5, warmup_t=0, cycle_limit=1), two Adam groups at 0.0028125 and 0.00028125 (HiDe's prompt
+    and 0.1 x head lr), step(e) for e = 0..4 (run outside the repository)."""
+    from mcit.engine import lr_factor
+
+    timm = [[0.0028125, 0.00028125], [0.0024020833771376494, 0.00024152635719842545], [0.00141125, 0.000145625],
+            [0.00042041662286235035, 4.972364280157449e-05], [1e-05, 1e-05]]
+    cfg = load_config(write(tmp_path, {**BASE, "train": {"epochs": 4, "lr": 0.0028125, "lr_schedule": "cosine",
+                                                         "lr_min": 1e-5}}))
+    for e, want in enumerate(timm):
+        got = [base * lr_factor(cfg, e * 3, 3, base_lr=base) for base in (0.0028125, 0.00028125)]
+        assert got == pytest.approx(want, rel=1e-12)
+
+
 def test_a_run_dir_written_before_a_new_config_key_still_resumes(tmp_path):
     """RunDir.check_belongs_to compares validated configs: a config.yaml that lacks keys added to the schema
     since (they take their defaults) belongs to the same run; a changed value does not."""

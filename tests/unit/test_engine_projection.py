@@ -87,3 +87,57 @@ def test_projected_update_stays_in_subspace_with_adam(ds_config):
 
 def test_projecting_only_the_gradient_leaks_under_adam():
     assert _leak("test_gradient_only", "deepspeed_configs/zero2.json") > 0.05
+
+
+class _TwoGroups(Method):
+    """Prompts at lr and a head at 0.1 x lr, as HiDe-Prompt's --larger_prompt_lr groups."""
+
+    name = "test_two_groups"
+    Params = MethodParams
+
+    def __init__(self, params, backbone, sequence):
+        super().__init__(params, backbone, sequence)
+        self.a, self.b = nn.Parameter(torch.zeros(D)), nn.Parameter(torch.zeros(D))
+
+    def param_groups(self):
+        return [{"params": [self.a]}, {"params": [self.b], "lr_scale": 0.1}]
+
+    def train_outputs(self, batch):
+        return {"y": batch.pixel_values @ (self.a + self.b)}
+
+    def loss(self, batch, outputs):
+        return LossTerms(per_sample=(outputs["y"] - batch.labels.float()) ** 2)
+
+    def predict(self, batch):
+        return (batch.pixel_values @ (self.a + self.b)).round().long()
+
+
+METHODS.register("test_two_groups")(_TwoGroups)
+
+
+def test_cosine_schedule_decays_every_group_to_the_same_floor_as_timm():
+    """Each parameter group follows timm's CosineLRScheduler from its own base lr to the absolute lr_min.
+    Reference (timm 0.6.7, run outside the repository): t_initial 4, lr_min 1e-5, groups at 0.0028125 and
+    0.00028125, lr at epochs 0..4."""
+    from mcit import distributed as dist
+    from mcit.engine import setup_engine, train_step
+
+    timm = [[0.0028125, 0.00028125], [0.0024020833771376494, 0.00024152635719842545], [0.00141125, 0.000145625],
+            [0.00042041662286235035, 4.972364280157449e-05], [1e-05, 1e-05]]
+    dist.init()
+    cfg = validate_config({"name": "p", "backbone": {"path": "unused"}, "data": {"tasks": ["a"], "root": "."},
+                           "method": {"name": "test_two_groups"},
+                           "train": {"lr": 0.0028125, "optimizer": "adam", "batch_size": 8, "epochs": 4,
+                                     "lr_schedule": "cosine", "lr_min": 1e-5,
+                                     "deepspeed_config": "deepspeed_configs/zero2.json"}})
+    seq = TaskSequence.from_label_spaces(["a"], [[0, 1, 2]])
+    engine, _ = setup_engine(cfg, METHODS.get("test_two_groups")(cfg.method.params(), nn.Identity(), seq), 1,
+                             steps_per_epoch=1)
+    g = torch.Generator().manual_seed(1)
+    seen = []
+    for _ in range(5):
+        seen.append([group["lr"] for group in engine.optimizer.param_groups])
+        train_step(engine, Batch(torch.randn(8, D, generator=g), torch.randint(0, 3, (8,), generator=g),
+                                 torch.ones(8), 0), 1.0 / 8)
+    engine.destroy()
+    assert seen == [pytest.approx(lrs, rel=1e-9) for lrs in timm]
