@@ -105,3 +105,204 @@ def grounding_iou(pred: str, ref: dict[str, Any]) -> float:
     if box is None or target is None:
         return 0.0
     return float(box_iou(box, [float(v) for v in target]) >= 0.5)
+
+
+# --------------------------------------------------------------------------------------------------
+# CoIN's evaluation scripts (zackschen/CoIN 4122465, ETrain/Eval/LLaVA/CoIN/), one scorer per task, so that a
+# CoIN sequence is scored as the published tables are. The CoIN answer ("answer" in the sample's meta) is the
+# instruction file's single answer; TextVQA's ten annotator answers come from TextVQA_0.5.1_val.json ("answers").
+
+_SQA_OPTIONS = ("A", "B", "C", "D", "E")
+
+# The VQA evaluation's contraction table (words written without apostrophes -> with them).
+_CONTRACTIONS = {
+    "'ow'sat": "'ow's'at", "'ows'at": "'ow's'at", "I'dve": "I'd've", "Id've": "I'd've", 'Im': "I'm", 'Ive': "I've",
+    'aint': "ain't", 'arent': "aren't", 'cant': "can't", "couldn'tve": "couldn't've", 'couldnt': "couldn't",
+    "couldnt've": "couldn't've", 'couldve': "could've", 'didnt': "didn't", 'doesnt': "doesn't", 'dont': "don't",
+    "hadn'tve": "hadn't've", 'hadnt': "hadn't", "hadnt've": "hadn't've", 'hasnt': "hasn't", 'havent': "haven't",
+    "he'dve": "he'd've", 'hed': "he'd", "hed've": "he'd've", 'hes': "he's", 'howd': "how'd", 'howll': "how'll",
+    'hows': "how's", 'isnt': "isn't", "it'dve": "it'd've", 'itd': "it'd", "itd've": "it'd've", 'itll': "it'll",
+    "let's": "let's", 'maam': "ma'am", "mightn'tve": "mightn't've", 'mightnt': "mightn't",
+    "mightnt've": "mightn't've", 'mightve': "might've", 'mustnt': "mustn't", 'mustve': "must've",
+    'neednt': "needn't", 'notve': "not've", 'oclock': "o'clock", 'oughtnt': "oughtn't", "ow's'at": "'ow's'at",
+    'shant': "shan't", "she'dve": "she'd've", "she's": "she's", "shed've": "she'd've", "shouldn'tve": "shouldn't've",
+    'shouldnt': "shouldn't", "shouldnt've": "shouldn't've", 'shouldve': "should've", "somebody'd": 'somebodyd',
+    "somebody'dve": "somebody'd've", "somebodyd've": "somebody'd've", 'somebodyll': "somebody'll",
+    'somebodys': "somebody's", "someone'dve": "someone'd've", 'someoned': "someone'd", "someoned've": "someone'd've",
+    'someonell': "someone'll", 'someones': "someone's", "something'dve": "something'd've",
+    'somethingd': "something'd", "somethingd've": "something'd've", 'somethingll': "something'll", 'thats': "that's",
+    "there'dve": "there'd've", 'thered': "there'd", "thered've": "there'd've", 'therere': "there're",
+    'theres': "there's", "they'dve": "they'd've", 'theyd': "they'd", "theyd've": "they'd've", 'theyll': "they'll",
+    'theyre': "they're", 'theyve': "they've", 'twas': "'twas", 'wasnt': "wasn't", "we'dve": "we'd've",
+    "wed've": "we'd've", 'werent': "weren't", 'weve': "we've", 'whatll': "what'll", 'whatre': "what're",
+    'whats': "what's", 'whatve': "what've", 'whens': "when's", 'whered': "where'd", 'wheres': "where's",
+    'whereve': "where've", "who'dve": "who'd've", 'whod': "who'd", "whod've": "who'd've", 'wholl': "who'll",
+    'whos': "who's", 'whove': "who've", 'whyll': "why'll", 'whyre': "why're", 'whys': "why's", 'wont': "won't",
+    "wouldn'tve": "wouldn't've", 'wouldnt': "wouldn't", "wouldnt've": "wouldn't've", 'wouldve': "would've",
+    "y'all'dve": "y'all'd've", "y'alld've": "y'all'd've", "y'allll": "y'all'll", 'yall': "y'all",
+    "yall'd've": "y'all'd've", "yall'll": "y'all'll", "you'dve": "you'd've", 'youd': "you'd", "youd've": "you'd've",
+    'youll': "you'll", 'youre': "you're", 'youve': "you've",
+}
+
+
+def _coin_substring(pred: str, answer: str) -> bool:
+    return answer in pred or pred in answer
+
+
+@register("coin_imagenet")
+def coin_imagenet(pred: str, ref: dict[str, Any]) -> float:
+    """eval_ImagetNet.py: the answer occurs in the prediction or the prediction in the answer (raw strings,
+    case-sensitive). An empty prediction occurs in every answer and counts right there: a bug, scored 0 here
+    (``coin_imagenet_official`` keeps it)."""
+    return float(bool(pred) and _coin_substring(pred, ref["answer"]))
+
+
+@register("coin_imagenet_official")
+def coin_imagenet_official(pred: str, ref: dict[str, Any]) -> float:
+    """eval_ImagetNet.py as published, an empty prediction counted right."""
+    return float(_coin_substring(pred, ref["answer"]))
+
+
+def coin_option_letter(pred: str) -> str:
+    """eval_science_qa.py's answer parsing: the prediction itself if it is an option letter, the first
+    character of "X. ...", else the first one-character word (upper-cased), else "FAILED"."""
+    if pred in _SQA_OPTIONS:
+        return pred
+    if len(pred) >= 3 and pred[0] in _SQA_OPTIONS and pred[1:3] == ". ":
+        return pred[0]
+    words = re.findall(r"\b(\w)\b", pred)
+    return words[0].upper() if words else "FAILED"
+
+
+@register("coin_scienceqa")
+def coin_scienceqa(pred: str, ref: dict[str, Any]) -> float:
+    """eval_science_qa.py: the parsed letter must be one of the question's options (``num_choices`` in the
+    meta, else all five) and equal the answer's letter ("The answer is B." scores 1; "I think B" scores 0,
+    "I" being the first one-character word)."""
+    n = int(ref.get("num_choices") or len(ref.get("choices") or _SQA_OPTIONS))
+    letter = coin_option_letter(pred)
+    gold = ref["answer"].strip()
+    gold = gold[0] if gold[:1] in _SQA_OPTIONS and (len(gold) == 1 or not gold[1].isalnum()) else gold
+    return float(letter in _SQA_OPTIONS[:n] and letter == gold)
+
+
+@register("coin_vizwiz")
+def coin_vizwiz(pred: str, ref: dict[str, Any]) -> float:
+    """eval_vizwiz.py: the prediction equals the instruction file's answer, case-insensitively (upper())."""
+    return float(pred.upper() == ref["answer"].upper())
+
+
+@register("coin_vqav2")
+def coin_vqav2(pred: str, ref: dict[str, Any]) -> float:
+    """eval_vqav2.py: as VizWiz, one answer compared case-insensitively (upper())."""
+    return float(pred.upper() == ref["answer"].upper())
+
+
+@register("coin_ocrvqa")
+def coin_ocrvqa(pred: str, ref: dict[str, Any]) -> float:
+    """eval_ocrvqa.py: a prediction containing "Unanswerable" scores 0 (whatever the answer); otherwise
+    lower-cased equality with the answer."""
+    if "Unanswerable" in pred:
+        return 0.0
+    return float(pred.lower() == ref["answer"].lower())
+
+
+@register("coin_gqa")
+def coin_gqa(pred: str, ref: dict[str, Any]) -> float:
+    """convert_gqa_for_eval.py + eval_gqa.py's accuracy: the prediction without trailing full stops,
+    lower-cased, equals the GQA answer."""
+    return float(pred.rstrip(".").lower() == ref["answer"])
+
+
+class EvalAIAnswerProcessor:
+    """The answer normalisation of the VQA / EvalAI evaluation as the m4c evaluator (CoIN's
+    m4c_evaluator.py, from facebookresearch/mmf) runs it: lower case, commas and question marks dropped,
+    "'s" split off, punctuation removed (deleted outright when the text has a space beside it or a digit
+    comma digit, else replaced by a space), full stops not before a digit deleted, number words to digits,
+    articles dropped, contractions restored. Two quirks of that code are kept because they decide scores:
+    its full-stop pattern ``(?!<=\\d)`` is a look-ahead typo (a full stop after a digit is deleted too),
+    and ``sub`` receives ``re.UNICODE`` as its count, so at most 32 full stops go."""
+
+    PUNCTUATIONS = (";", "/", "[", "]", '"', "{", "}", "(", ")", "=", "+", "\\", "_", "-", ">", "<", "@", "`",
+                    ",", "?", "!")
+    NUMBERS = _NUMBERS
+    ARTICLES = ("a", "an", "the")
+    PERIOD_STRIP = re.compile(r"(?!<=\d)(\.)(?!\d)")
+    COMMA_STRIP = re.compile(r"(?<=\d)(\,)+(?=\d)")
+
+    def __call__(self, text: str) -> str:
+        t = text.lower().replace(",", "").replace("?", "").replace("'s", " 's").strip()
+        t = t.replace("\n", " ").replace("\t", " ").strip()
+        out = t
+        for p in self.PUNCTUATIONS:
+            if p + " " in t or " " + p in t or self.COMMA_STRIP.search(t) is not None:
+                out = out.replace(p, "")
+            else:
+                out = out.replace(p, " ")
+        out = self.PERIOD_STRIP.sub("", out, count=int(re.UNICODE))
+        words = [self.NUMBERS.get(w, w) for w in out.lower().split()]
+        words = [_CONTRACTIONS.get(w, w) for w in words if w not in self.ARTICLES]
+        return " ".join(words)
+
+
+@register("coin_textvqa")
+def coin_textvqa(pred: str, ref: dict[str, Any]) -> float:
+    """eval_textvqa.py (m4c TextVQAAccuracyEvaluator): the normalised prediction's soft score among the
+    normalised annotator answers, min(1, matches among the other nine / 3) averaged over leaving each of the
+    ten out. ("1000" matches an annotator's "1,000"; "U.S.A." is "usa".)"""
+    proc = EvalAIAnswerProcessor()
+    answers = [proc(a) for a in ref.get("answers") or [ref["answer"]]]
+    p = proc(pred)
+    if p not in answers:
+        return 0.0
+    accs = [min(1.0, sum(1 for j, a in enumerate(answers) if j != i and a == p) / 3) for i in range(len(answers))]
+    return sum(accs) / len(accs)
+
+
+def coin_box(text: str, official: bool = False) -> list[float] | None:
+    """A predicted box "[x1, y1, x2, y2]": the numbers inside the first brackets (the whole text if it has
+    none), four comma-separated floats, else None. eval_grounding.py removes the brackets and then cuts the
+    first and last character (``[1:-1]``), so "[0.1, 0.2, 0.5, 0.6]" reads as y2 = 0.0 and a perfect box
+    scores 0 there; ``official=True`` keeps that bug."""
+    if official:
+        s = text.replace("[", "").replace("]", "")[1:-1]
+    else:
+        m = re.search(r"\[([^\[\]]*)\]", text)
+        s = m.group(1) if m else text
+    try:
+        box = [float(x) for x in s.split(",")]
+    except ValueError:
+        return None
+    return box if len(box) == 4 else None
+
+
+def _coin_iou(a: list[float], b: list[float]) -> float:
+    """eval_grounding.calculate_iou: the union from the raw (possibly negative) areas."""
+    inter = max(0.0, min(a[2], b[2]) - max(a[0], b[0])) * max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
+    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
+    return inter / union if union > 0 else 0.0
+
+
+def _coin_grounding(pred: str, ref: dict[str, Any], official: bool) -> float:
+    box = coin_box(pred, official)
+    gold = ref.get("box")
+    if gold is None:
+        text = ref["answer_bbox"] if "answer_bbox" in ref else ref["answer"]
+        gold = [float(x) for x in str(text).replace("[", "").replace("]", "").split(",")]
+    if box is None:
+        return 0.0
+    return float(_coin_iou(box, [float(v) for v in gold]) > 0.5)
+
+
+@register("coin_grounding")
+def coin_grounding(pred: str, ref: dict[str, Any]) -> float:
+    """eval_grounding.py: IoU > 0.5 (strictly) between the predicted and the reference box (both in the
+    padded-square frame; the script's scaling by max(size) leaves the IoU unchanged). The prediction is
+    parsed whole; ``coin_grounding_official`` keeps the script's ``[1:-1]`` cut."""
+    return _coin_grounding(pred, ref, official=False)
+
+
+@register("coin_grounding_official")
+def coin_grounding_official(pred: str, ref: dict[str, Any]) -> float:
+    """eval_grounding.py as published, first and last character of the prediction cut before parsing."""
+    return _coin_grounding(pred, ref, official=True)
