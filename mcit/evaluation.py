@@ -35,7 +35,8 @@ def evaluate_row(host: "MethodHost", *, trained: int, answers_dir: Path, tasks: 
         scorers = [plan.scorers[i] for i in tasks]
         res = evaluate_generation(method, tests, batch_size=cfg.eval.batch_size, policy=cfg.data.split,
                                   collates=collates, scorers=scorers, max_new_tokens=cfg.eval.max_new_tokens,
-                                  answers_dir=answers_dir, progress=cfg.train.progress, desc=desc, file_ids=tasks)
+                                  answers_dir=answers_dir, progress=cfg.train.progress, desc=desc, file_ids=tasks,
+                                  model_id=cfg.backbone.tag if cfg.backbone.tag != "local" else Path(cfg.backbone.path).name)
         return {"score_sum": [c for c, _ in res], "total": [n for _, n in res],
                 "acc": [100.0 * c / max(n, 1) for c, n in res], "scorers": scorers}
     allowed = None
@@ -91,15 +92,28 @@ def evaluate_tasks(method: Method, splits: list[Split], *, batch_size: int, poli
     return [(int(c), int(n)) for c, n in counts.tolist()]
 
 
+def answer_row(ref: dict[str, Any], pred: str, score: float, model_id: str) -> dict[str, Any]:
+    """One line of an answer file: ours (key, question, answers, prediction, score) and CoIN's / LLaVA's
+    model_vqa schema beside it (question_id, prompt, text, answer_id, model_id, metadata), so CoIN's
+    evaluation scripts read our files as they are. question_id is the source record's id where the shards
+    carry it (data_prep writes it), else the sample key; answer_id is the sample key (unique per run; the
+    LLaVA scripts draw a random one)."""
+    return {"key": ref["key"], "question": ref["question"], "answers": ref["answers"], "prediction": pred,
+            "score": score, "question_id": ref.get("question_id", ref["key"]),
+            "prompt": ref["question"].replace("<image>", "").strip(), "text": pred, "answer_id": ref["key"],
+            "model_id": model_id, "metadata": {}}
+
+
 @torch.no_grad()
 def evaluate_generation(method: Method, splits: list[Split], *, batch_size: int, policy: str,
                         collates: list[Callable], scorers: list[str], max_new_tokens: int,
                         answers_dir: Any | None = None, progress: bool = False,
-                        desc: str = "eval", file_ids: list[int] | None = None) -> list[tuple[float, int]]:
+                        desc: str = "eval", file_ids: list[int] | None = None,
+                        model_id: str = "mcit") -> list[tuple[float, int]]:
     """(summed score, count) per split. Each rank generates for its part of every split; the answers
-    are gathered to rank 0, which writes ``answers_dir/<task index>.jsonl`` (key, question, references,
-    prediction, score) sorted by key, so scores can be recomputed without the model. ``file_ids``: the
-    task index of each split (default its position)."""
+    are gathered to rank 0, which writes ``answers_dir/<task index>.jsonl`` (``answer_row``) sorted by key,
+    so scores can be recomputed without the model. ``file_ids``: the task index of each split (default
+    its position)."""
     import json
 
     from mcit import scorers as S
@@ -121,8 +135,7 @@ def evaluate_generation(method: Method, splits: list[Split], *, batch_size: int,
                                   policy=policy, collate=collates[i]):
             preds = method.generate(batch.to(device), max_new_tokens)
             for pred, ref in zip(preds, batch.meta):
-                rows.append({"key": ref["key"], "question": ref["question"], "answers": ref["answers"],
-                             "prediction": pred, "score": score(pred, ref)})
+                rows.append(answer_row(ref, pred, score(pred, ref), model_id))
             if bar is not None:
                 bar.update(len(batch) * dist.world_size())
         gathered = sorted((r for part in dist.gather_objects(rows) for r in part), key=lambda r: r["key"])

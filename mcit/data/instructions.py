@@ -4,7 +4,10 @@ A sample in a shard is ``<key>.<png|jpg|jpeg>`` (the image bytes, unchanged) and
 
     {"conversations": [{"from": "human", "value": "<image>\\nQuestion"}, {"from": "gpt", "value": "answer"}],
      "answers": ["annotator 1", ...],      # optional: VQA-style reference answers
-     "box": [x0, y0, x1, y1]}              # optional: grounding reference
+     "box": [x0, y0, x1, y1],              # optional: grounding reference
+     "id": "...",                          # optional: the source record's id (data_prep writes it; CoIN's
+                                           #   answer files carry it as question_id)
+     "choices": ["...", ...]}              # optional: a multiple-choice question's options (their count scores)
 
 The manifest of an instruction split has ``"kind": "instruction"``, an empty ``label_space`` and the
 task's default ``"scorer"`` (see mcit.scorers). Multi-turn conversations are cut into one sample per
@@ -21,6 +24,7 @@ from typing import Any
 from mcit.data.shards import DataError, write_split
 
 IMAGE_EXTS = ("png", "jpg", "jpeg")
+RECORD_KEYS = ("conversations", "answers", "box", "id", "choices")
 
 
 def write_instruction_split(directory: Path, samples: list[dict[str, Any]], *, shard_size: int,
@@ -28,7 +32,7 @@ def write_instruction_split(directory: Path, samples: list[dict[str, Any]], *, s
     """Shard ``samples`` (dicts with __key__, png/jpg bytes, conversations, optional answers/box)."""
     rows = []
     for s in samples:
-        rec = {k: s[k] for k in ("conversations", "answers", "box") if k in s}
+        rec = {k: s[k] for k in RECORD_KEYS if k in s}
         row = {"__key__": s["__key__"], "json": json.dumps(rec).encode()}
         for ext in IMAGE_EXTS:
             if ext in s:
@@ -52,7 +56,8 @@ def turns(conversations: list[dict[str, str]], where: str) -> list[tuple[str, st
 
 
 def decode_instruction(sample: dict) -> tuple[Any, dict[str, Any], str]:
-    """(PIL RGB image, {"question", "answer", "answers", "box"?}, key) of a raw shard sample."""
+    """(PIL RGB image, {"question", "answer", "answers", "box"?, "question_id"?, "choices"?}, key) of a raw
+    shard sample."""
     from PIL import Image
 
     key = sample.get("__key__", "?")
@@ -67,6 +72,9 @@ def decode_instruction(sample: dict) -> tuple[Any, dict[str, Any], str]:
         raise DataError(f"{where}: cannot decode ({e.__class__.__name__}: {e})") from None
     question, answer = turns(rec.get("conversations"), where)[0]
     out = {"question": question, "answer": answer, "answers": rec.get("answers") or [answer]}
-    if "box" in rec:
-        out["box"] = rec["box"]
+    for k in ("box", "choices"):
+        if k in rec:
+            out[k] = rec[k]
+    if "id" in rec:
+        out["question_id"] = rec["id"]
     return image, out, key

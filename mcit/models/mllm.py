@@ -204,8 +204,7 @@ class MLLMBackbone(Backbone):
                 else:
                     pix.append(enc["pixel_values"][0])
                 keys.append(key)
-                meta.append({"key": key, "question": question, "answer": answer,
-                             "answers": rec.get("answers") or [answer], **({"box": rec["box"]} if "box" in rec else {})})
+                meta.append({**rec, "key": key, "answers": rec.get("answers") or [answer]})
             L = max(len(x) for x in ids_list)
             B = len(ids_list)
             input_ids = torch.full((B, L), pad_id, dtype=torch.long)

@@ -298,3 +298,34 @@ def test_bad_mcit_inputs_fail_fast_with_one_line(mcit_assets, assets, tmp_path):
     r = run_main(["--config", str(cfg)])
     assert r.returncode == 2 and "unknown scorer 'bleu'" in r.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_answer_rows_carry_coin_fields_and_the_record_reaches_the_scorer(llava, tmp_path):
+    """A CoIN ScienceQA test record ({question_id, image, text, answer index, choices}) converted, collated for
+    evaluation: its id is the answer row's question_id, CoIN's model_vqa fields are there, and the number of
+    choices reaches coin_scienceqa (a letter beyond them scores 0, as in CoIN's eval_science_qa.py)."""
+    from PIL import Image
+
+    from mcit.data.shards import iter_samples, open_split
+    from mcit.evaluation import answer_row
+
+    bb = llava[0]
+    (tmp_path / "img").mkdir()
+    Image.new("RGB", (8, 8), (0, 0, 200)).save(tmp_path / "img" / "a.png")
+    items = [{"question_id": "sqa7", "image": "a.png", "text": "Which is blue?\nA. sky\nB. grass", "answer": 0,
+              "choices": ["sky", "grass"]}]
+    (tmp_path / "test.json").write_text(json.dumps(items))
+    r = convert("llava_json", "--json", tmp_path / "test.json", "--images", tmp_path / "img", "--out",
+                tmp_path / "split", "--scorer", "coin_scienceqa")
+    assert r.returncode == 0, r.stderr
+    split = open_split(tmp_path / "split")
+    batch = bb.make_collate(split, 0, train=False)(list(iter_samples(split, 0, 1, policy="sample")))
+    ref = batch.meta[0]
+    assert ref["question_id"] == "sqa7" and ref["answer"] == "A" and ref["choices"] == ["sky", "grass"]
+    row = answer_row(ref, "The answer is A.", S.get("coin_scienceqa")("The answer is A.", ref), "llava-1.5-7b")
+    assert row["score"] == 1.0
+    assert {k: row[k] for k in ("question_id", "prompt", "text", "answer_id", "model_id", "metadata")} == {
+        "question_id": "sqa7", "prompt": "Which is blue?\nA. sky\nB. grass", "text": "The answer is A.",
+        "answer_id": ref["key"], "model_id": "llava-1.5-7b", "metadata": {}}
+    assert S.get("coin_scienceqa")("C", {**ref, "answer": "C"}) == 0.0  # two choices: C is not an option
+    assert S.get("coin_scienceqa")("C", {"answer": "C"}) == 1.0  # without choices every letter A-E counts
