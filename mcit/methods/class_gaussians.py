@@ -34,11 +34,12 @@ def moments_to_gaussians(n: torch.Tensor, sums: torch.Tensor, outer: torch.Tenso
 
 def gaussian_factors(means: torch.Tensor, covs: torch.Tensor, classes: list[int]
                      ) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
-    """(class, mean, scale) with x = mean + z @ scale a sample; one Cholesky per class, done once."""
+    """(class, mean, scale) with x = mean + z @ scale a sample (a 1-D scale for a diagonal covariance:
+    x = mean + z * scale, no D x D matrix per class); one Cholesky per class, done once."""
     out = []
     for c in classes:
         cov = covs[c].double().cpu()
-        scale = torch.linalg.cholesky(cov).t() if cov.dim() == 2 else torch.diag(cov.sqrt())
+        scale = torch.linalg.cholesky(cov).t() if cov.dim() == 2 else cov.sqrt()
         out.append((c, means[c].double().cpu(), scale))
     return out
 
@@ -48,7 +49,7 @@ def sample_classes(factors: list, per_class: int, g: torch.Generator) -> tuple[t
     xs, ys = [], []
     for c, mean, scale in factors:
         z = torch.randn(per_class, mean.shape[0], generator=g, dtype=torch.float64)
-        xs.append(mean + z @ scale)
+        xs.append(mean + (z @ scale if scale.dim() == 2 else z * scale))
         ys.append(torch.full((per_class,), c, dtype=torch.long))
     return torch.cat(xs).float(), torch.cat(ys)
 

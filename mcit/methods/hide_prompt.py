@@ -15,25 +15,26 @@ Three parts, all per sample at inference:
     the contrastive regulariser ``reg`` pulls each feature to itself and away from the stored class
     means of earlier tasks (temperature 0.8, the official ``orth_loss``);
   * task-adaptive prediction (TAP): after each task t > 0 both heads are re-trained on samples drawn
-    from stored per-class Gaussians of every class seen so far (``ca_storage``: ``multi-centroid``, the
-    official default: k-means with ``n_centroids`` clusters per class, each a diagonal Gaussian with the
-    cluster's population variance + 1e-4, clusters of zero variance skipped; ``covariance``, what NoRGa's
-    scripts run: one full Gaussian per class, torch.cov + 1e-4 I; ``variance``: its diagonal): the TII head on frozen features, the WTP head on
-    prompted features (each class through its own task's prompt). SGD, momentum 0.9, cosine
-    schedule, weight decay ``ca_weight_decay`` = 0: the official optimizer is built with 5e-4, but
-    its parameter group sets ``args.weight_decay``, which is 0.0 in the official runs (``--weight-decay``,
-    default 0.0, is declared before ``--weight_decay`` and argparse keeps the first default).
+    from stored per-class Gaussians of every class seen so far: the TII head on frozen features, the
+    WTP head on prompted features (each class through its own task's prompt). ``ca_storage``:
+    ``multi-centroid`` (the official default) k-means with ``n_centroids`` clusters per class, each a
+    diagonal Gaussian with the cluster's population variance + 1e-4, zero-variance clusters skipped;
+    ``covariance`` (what NoRGa's scripts run) one full Gaussian per class, torch.cov + 1e-4 I;
+    ``variance`` its diagonal. SGD, momentum 0.9, cosine schedule, weight decay ``ca_weight_decay`` = 0:
+    the official optimizer is built with 5e-4, but its parameter group sets ``args.weight_decay``, which
+    is 0.0 in the official runs (``--weight-decay``, default 0.0, is declared before ``--weight_decay``
+    and argparse keeps the first default).
 
 The class statistics come from the pipeline's subspace stage (summed over ranks, or for
 ``multi-centroid`` every feature gathered to rank 0; rank 0 fits the Gaussians and runs TAP, seeded,
 then the state is broadcast). With ``multi-centroid`` the contrastive term reads every stored centroid,
-as the official ``orth_loss`` does with its lists of cluster means; k-means is scikit-learn's (the
-official requirements pin 1.0.2, whose default ``n_init`` is 10; here ``n_init=10`` and a seeded
-RandomState that runs through the task's classes in order, where the official code uses numpy's global
-one); a class with fewer samples than ``n_centroids`` keeps that many clusters (the official code stops). Differences from the official code,
-and why: the TII head is trained in the same pass as the prompts (with its own learning rate,
-``tii_lr_scale``) instead of a separate run; the prefix is built with a permute, not the public
-reshape (docs/architecture.md, "Known faults").
+as the official ``orth_loss`` does with its lists of cluster means. k-means is scikit-learn's with
+``n_init=10`` (the default of the official requirements' scikit-learn 1.0.2) and a seeded RandomState
+running through the task's classes in order, where the official code draws from numpy's global one; a
+class with fewer samples than ``n_centroids`` keeps that many clusters (the official code stops).
+Differences from the official code, and why: the TII head is trained in the same pass as the prompts
+(with its own learning rate, ``tii_lr_scale``) instead of a separate run; the prefix is built with a
+permute, not the public reshape (docs/architecture.md, "Known faults").
 """
 
 from __future__ import annotations
@@ -286,7 +287,7 @@ class HiDePrompt(Method):
         if self.params.ca_storage != "multi-centroid":
             return gaussian_factors(means, covs, seen)
         used = getattr(self, f"{kind}_used")
-        return [(c, means[c, i].double().cpu(), torch.diag((covs[c, i].double().cpu() + 1e-4).sqrt()))
+        return [(c, means[c, i].double().cpu(), (covs[c, i].double().cpu() + 1e-4).sqrt())
                 for c in seen for i in range(self.params.n_centroids)
                 if used[c, i] and float(covs[c, i].double().mean()) != 0.0]  # official: `if var.mean() == 0: continue`
 
