@@ -4,8 +4,10 @@
         --out data/shards/coin [--task scienceqa textvqa ...] [--annotations textvqa=TextVQA_0.5.1_val.json]
     python -m data_prep.coin --verify data/shards/coin
 
-Reads <instructions>/<Task>/{train,test}.json (or .jsonl / .parquet / .arrow / a saved dataset folder)
-and writes <out>/<task>/{train,test}, the layout configs/coin_llava7b_fwd_prompt.yaml reads. See
+Reads <instructions>/<Task>/train.json and the file CoIN's evaluation scripts read as the test split
+(val.json for TextVQA, VizWiz and VQAv2, test.json for the others; .jsonl / .parquet / .arrow / a saved
+dataset folder as well) and writes <out>/<task>/{train,test}, the layout configs/coin_llava7b_fwd_prompt.yaml
+reads, each split scored by CoIN's own script for that task (mcit.scorers, coin_*). See
 data_prep.instruction_sets for the record forms and the checks.
 """
 

@@ -40,12 +40,15 @@ class TaskPreset:
     name: str            # the shard directory name (and the config's task name)
     folder: str          # its folder in the benchmark's instruction tree
     scorer: str
+    test_file: str = "test"  # the stem of the file the benchmark's own evaluation reads as the test split
 
 
-COIN = [TaskPreset("scienceqa", "ScienceQA", "multiple_choice"), TaskPreset("textvqa", "TextVQA", "vqa_accuracy"),
-        TaskPreset("imagenet", "ImageNet", "exact_match"), TaskPreset("gqa", "GQA", "exact_match"),
-        TaskPreset("vizwiz", "VizWiz", "vqa_accuracy"), TaskPreset("grounding", "Grounding", "grounding_iou"),
-        TaskPreset("vqav2", "VQAv2", "vqa_accuracy"), TaskPreset("ocrvqa", "OCRVQA", "exact_match")]
+# CoIN's evaluation scripts (zackschen/CoIN scripts/LLaVA/Eval/*.sh) read val.json for TextVQA, VizWiz and VQAv2
+# and test.json for the others; the scorers are those scripts' (mcit.scorers, coin_*).
+COIN = [TaskPreset("scienceqa", "ScienceQA", "coin_scienceqa"), TaskPreset("textvqa", "TextVQA", "coin_textvqa", "val"),
+        TaskPreset("imagenet", "ImageNet", "coin_imagenet"), TaskPreset("gqa", "GQA", "coin_gqa"),
+        TaskPreset("vizwiz", "VizWiz", "coin_vizwiz", "val"), TaskPreset("grounding", "Grounding", "coin_grounding"),
+        TaskPreset("vqav2", "VQAv2", "coin_vqav2", "val"), TaskPreset("ocrvqa", "OCRVQA", "coin_ocrvqa")]
 UCIT = [TaskPreset("imagenet_r", "ImageNet-R", "exact_match"), TaskPreset("arxivqa", "ArxivQA", "multiple_choice"),
         TaskPreset("vizwiz_caption", "VizWiz-caption", "contains"), TaskPreset("iconqa", "IconQA", "exact_match"),
         TaskPreset("clevr_math", "CLEVR-Math", "exact_match"), TaskPreset("flickr30k", "Flickr30k", "contains")]
@@ -276,13 +279,16 @@ def convert_split(path: Path, out: Path, *, images: Path | None, scorer: str, an
     return write_planned(specs, skipped, path, out, scorer=scorer, annotations=annotations, on_error=on_error, **kw)
 
 
-def iter_split_files(folder: Path) -> Iterator[tuple[str, Path]]:
-    """(split, file) of a task folder: train/test as .json, .jsonl, .parquet, .arrow or a saved dataset."""
-    for split in ("train", "test"):
-        found = [folder / f"{split}{ext}" for ext in (".json", ".jsonl", ".parquet", ".arrow", "")
-                 if (folder / f"{split}{ext}").exists()]
+def iter_split_files(folder: Path, test_file: str = "test") -> Iterator[tuple[str, Path]]:
+    """(split, file) of a task folder: ``train`` and ``test_file`` (the file the benchmark's evaluation
+    reads, e.g. CoIN's val.json for TextVQA) as .json, .jsonl, .parquet, .arrow or a saved dataset. Only
+    that file is the test split, whatever else the folder holds."""
+    for split, stem in (("train", "train"), ("test", test_file)):
+        found = [folder / f"{stem}{ext}" for ext in (".json", ".jsonl", ".parquet", ".arrow", "")
+                 if (folder / f"{stem}{ext}").exists()]
         if not found:
-            raise DataError(f"{folder}: no {split}.json (or .jsonl/.parquet/.arrow/saved dataset)")
+            raise DataError(f"{folder}: no {stem}.json (or .jsonl/.parquet/.arrow/saved dataset)"
+                            + (f" (the {split} split)" if stem != split else ""))
         yield split, found[0]
 
 
@@ -319,7 +325,7 @@ def benchmark_main(benchmark: str, presets: list[TaskPreset], doc: str, argv: li
             folder = args.instructions / preset.folder
             if not folder.is_dir():
                 raise DataError(f"missing directory: {folder} (task {preset.name})")
-            for split, f in iter_split_files(folder):
+            for split, f in iter_split_files(folder, preset.test_file):
                 a = ann.get(preset.name) if split == "test" else None
                 todo.append((preset, split, f, a, *specs_of(f, args.images, a, args.on_error)))
         for preset, split, f, a, specs, skipped in todo:

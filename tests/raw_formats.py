@@ -106,7 +106,9 @@ def cub_raw(root, per_class=4):
 
 
 def coin_raw(root):
-    """A CoIN-like tree: Instructions/<Task>/{train,test}.json in the benchmark's own record forms."""
+    """A CoIN tree as zackschen/CoIN's scripts read it: Instructions_Original/<Task>/train.json and, for
+    TextVQA, val.json (scripts/LLaVA/Eval/2_eval_textqa.sh), for Grounding test.json, in the benchmark's own
+    record forms; TextVQA's annotator answers in a TextVQA_0.5.1_val.json-shaped file."""
     from PIL import Image
 
     img = root / "images"
@@ -126,10 +128,10 @@ def coin_raw(root):
         for n, c in enumerate(colours)]
     gtest = [{"question_id": f"gq{n}", "image": f"vqa/{c}1.jpg", "text": "Give the box of the object.",
               "answer_bbox": "[0.1,0.1,0.9,0.9]", "size": [32, 32]} for n, c in enumerate(colours)]
-    for task, (tr, te) in {"TextVQA": (train, test), "Grounding": (gtrain, gtest)}.items():
+    for task, (tr, te, test_file) in {"TextVQA": (train, test, "val"), "Grounding": (gtrain, gtest, "test")}.items():
         (root / "Instructions" / task).mkdir(parents=True, exist_ok=True)
         (root / "Instructions" / task / "train.json").write_text(json.dumps(tr))
-        (root / "Instructions" / task / "test.json").write_text(json.dumps(te))
+        (root / "Instructions" / task / f"{test_file}.json").write_text(json.dumps(te))
     (root / "TextVQA_val.json").write_text(json.dumps(ann))
     return root
 

@@ -218,7 +218,8 @@ def test_instruction_sets_convert_and_verify(tmp_path):
 
     out = convert_instruction_sets(tmp_path)
     test = open_split(out["coin"] / "textvqa" / "test", "sha256")
-    assert test.manifest["kind"] == "instruction" and test.manifest["scorer"] == "vqa_accuracy"
+    assert test.manifest["kind"] == "instruction" and test.manifest["scorer"] == "coin_textvqa"
+    assert test.manifest["source"].endswith("TextVQA/val.json")  # the file CoIN's 2_eval_textqa.sh reads
     decoded = [decode_instruction(s)[1] for s in iter_samples(test, 0, 1, policy="sample")]
     assert decoded[0]["question"].startswith("<image>\n") and decoded[0]["answer"] == "red"
     assert decoded[0]["answers"] == ["red"] * 7 + ["dark red"] * 3  # joined from the annotation file
@@ -234,11 +235,30 @@ def test_instruction_sets_convert_and_verify(tmp_path):
     assert open_split(out["arrow_split"], "sha256").num_samples == 2
 
 
+def test_coin_test_split_is_the_file_its_evaluation_reads(tmp_path):
+    """TextVQA, VizWiz and VQAv2 are evaluated on val.json in CoIN (scripts/LLaVA/Eval/2_, 5_, 7_*.sh): with a
+    test.json beside it, val.json is still the test split; Grounding keeps test.json."""
+    from mcit.data.instructions import decode_instruction
+    from mcit.data.shards import iter_samples
+
+    raw = coin_raw(tmp_path / "coin_raw")
+    tv = raw / "Instructions" / "TextVQA"
+    decoy = [dict(r, answer="decoy") for r in json.loads((tv / "val.json").read_text())]
+    (tv / "test.json").write_text(json.dumps(decoy))
+    r = convert("coin", "--instructions", raw / "Instructions", "--images", raw / "images", "--task", "textvqa",
+                "grounding", "--out", tmp_path / "coin")
+    assert r.returncode == 0, r.stderr
+    test = open_split(tmp_path / "coin" / "textvqa" / "test")
+    assert [decode_instruction(s)[1]["answer"] for s in iter_samples(test, 0, 1, policy="sample")] == \
+        ["red", "green", "blue"]
+    assert open_split(tmp_path / "coin" / "grounding" / "test").manifest["source"].endswith("Grounding/test.json")
+
+
 def test_bad_instruction_inputs_name_the_record_and_file(tmp_path):
     raw = coin_raw(tmp_path / "coin_raw")
     tv = raw / "Instructions" / "TextVQA"
     args = ["--instructions", raw / "Instructions", "--images", raw / "images", "--task", "textvqa"]
-    test = json.loads((tv / "test.json").read_text())
+    test = json.loads((tv / "val.json").read_text())
 
     def run(out, *extra):
         return convert("coin", *args, "--out", tmp_path / out, *extra)
@@ -250,13 +270,13 @@ def test_bad_instruction_inputs_name_the_record_and_file(tmp_path):
     assert r.returncode == 2 and "record '101'" in r.stderr and "duplicate question_id" in r.stderr
     assert "dup_ann.json" in r.stderr and not (tmp_path / "o1").exists()
 
-    (tv / "test.json").write_text(json.dumps(test + [dict(test[0])]))  # duplicate question id
+    (tv / "val.json").write_text(json.dumps(test + [dict(test[0])]))  # duplicate question id
     r = run("o2")
-    assert r.returncode == 2 and "record '100'" in r.stderr and "duplicate id" in r.stderr and "test.json" in r.stderr
+    assert r.returncode == 2 and "record '100'" in r.stderr and "duplicate id" in r.stderr and "val.json" in r.stderr
 
     broken = [dict(t) for t in test]
     del broken[1]["answer"]  # a record without an answer
-    (tv / "test.json").write_text(json.dumps(broken))
+    (tv / "val.json").write_text(json.dumps(broken))
     r = run("o3")
     assert r.returncode == 2 and "record '101'" in r.stderr and "no answer" in r.stderr
     r = run("o4", "--on-error", "skip")
@@ -266,23 +286,23 @@ def test_bad_instruction_inputs_name_the_record_and_file(tmp_path):
 
     missing = [dict(t) for t in test]
     missing[2]["image"] = "vqa/nothing.jpg"  # a missing image
-    (tv / "test.json").write_text(json.dumps(missing))
+    (tv / "val.json").write_text(json.dumps(missing))
     r = run("o5")
     assert r.returncode == 2 and "record '102'" in r.stderr and "image file not found" in r.stderr
 
     (raw / "images" / "vqa" / "bad.jpg").write_bytes(b"\x89PNG but truncated")  # an unreadable image
     missing[2]["image"] = "vqa/bad.jpg"
-    (tv / "test.json").write_text(json.dumps(missing))
+    (tv / "val.json").write_text(json.dumps(missing))
     r = run("o6")
     assert r.returncode == 2 and "record '102'" in r.stderr and "unreadable image" in r.stderr
 
-    (tv / "test.json").write_text(json.dumps([{"question_id": 1, "image": "vqa/red0.jpg", "caption": "x"}]))
+    (tv / "val.json").write_text(json.dumps([{"question_id": 1, "image": "vqa/red0.jpg", "caption": "x"}]))
     r = run("o7")
     assert r.returncode == 2 and "record '1'" in r.stderr and "unknown format" in r.stderr
-    (tv / "test.json").unlink()
+    (tv / "val.json").unlink()
     (tv / "test.csv").write_text("a,b\n")
     r = run("o8")
-    assert r.returncode == 2 and "no test.json" in r.stderr
+    assert r.returncode == 2 and "no val.json" in r.stderr and "(the test split)" in r.stderr
     r = convert("llava_json", "--json", tv / "test.csv", "--images", raw / "images", "--out", tmp_path / "o9")
     assert r.returncode == 2 and "test.csv: unknown format" in r.stderr
 
