@@ -11,7 +11,9 @@ Two record forms are read, as the benchmarks distribute them:
 Either form may carry ``answers`` (the annotators' answers, for VQA accuracy; strings or
 ``{"answer": ...}``), ``box`` and ``choices``; for test sets whose answer lists live in the original
 annotation file (TextVQA ``{"data": [...]}``, VQAv2 ``{"annotations": [...]}``, VizWiz), pass it with
-``--annotations``: its records are joined on ``question_id``. Duplicate ids are an error, in the
+``--annotations``: its records are joined on ``question_id``, or, for an annotation file without one
+(VizWiz's, one question per image), on the image's file name as the VizWiz evaluation does. Duplicate
+ids are an error, in the
 question file and in the annotation file alike: joining by a key that is not unique silently scores
 answers against another question's references (the VizWiz mismatch). A record without an answer, a
 missing or unreadable image and an unknown record form are errors naming the record id and the file;
@@ -73,8 +75,12 @@ def _box(value: Any) -> list[float]:
     return box
 
 
+IMAGE_KEY = "image:"  # annotation keys of a file joined by image file name (VizWiz)
+
+
 def load_annotations(path: Path) -> dict[str, dict]:
-    """Original annotation records keyed by question_id; a duplicate id is an error naming it."""
+    """Original annotation records keyed by question_id, or by ``IMAGE_KEY`` + the image's file name when
+    no record has a question_id and every one an image (VizWiz); a duplicate key is an error naming it."""
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -83,14 +89,21 @@ def load_annotations(path: Path) -> dict[str, dict]:
         data = data.get("data", data.get("annotations"))
     if not isinstance(data, list):
         raise DataError(f"{path}: unknown format (expected a list, or a dict with 'data' or 'annotations')")
+    by_image = bool(data) and all(isinstance(r, dict) and "question_id" not in r and isinstance(r.get("image"), str)
+                                  for r in data)
     out: dict[str, dict] = {}
     for n, rec in enumerate(data):
-        qid = rec.get("question_id") if isinstance(rec, dict) else None
-        if qid is None:
-            raise DataError(f"{path} item {n}: no 'question_id'")
-        if str(qid) in out:
-            raise RecordError(str(qid), path, "duplicate question_id in the annotation file")
-        out[str(qid)] = rec
+        if by_image:
+            key = IMAGE_KEY + Path(rec["image"]).name
+        else:
+            qid = rec.get("question_id") if isinstance(rec, dict) else None
+            if qid is None:
+                raise DataError(f"{path} item {n}: no 'question_id' (and not every record has an 'image' to join on)")
+            key = str(qid)
+        if key in out:
+            what = "image" if by_image else "question_id"
+            raise RecordError(key.removeprefix(IMAGE_KEY), path, f"duplicate {what} in the annotation file")
+        out[key] = rec
     return out
 
 
@@ -111,8 +124,10 @@ def record_turns(item: dict, where: Path, annotations: dict[str, dict] | None) -
             if ans is None and "answer_bbox" in item:
                 ans = "[" + ", ".join(f"{v:.3f}" for v in _box(item["answer_bbox"])) + "]"
             ann = annotations.get(rid) if annotations is not None else None
+            if ann is None and annotations is not None and isinstance(item.get("image"), str):
+                ann = annotations.get(IMAGE_KEY + Path(item["image"]).name)
             if annotations is not None and ann is None:
-                raise RecordError(rid, where, "question_id not in the annotation file")
+                raise RecordError(rid, where, "neither its question_id nor its image is in the annotation file")
             if ann is not None:
                 extra["answers"] = _answers(ann.get("answers", ann.get("answer")))
                 ans = ans if ans is not None else extra["answers"][0]

@@ -254,6 +254,41 @@ def test_coin_test_split_is_the_file_its_evaluation_reads(tmp_path):
     assert open_split(tmp_path / "coin" / "grounding" / "test").manifest["source"].endswith("Grounding/test.json")
 
 
+def test_vizwiz_annotations_join_by_image(tmp_path):
+    """VizWiz's annotation file (val.json of the VizWiz release: {"image", "question", "answers": [{"answer",
+    "answer_confidence"}] x 10}, no question_id) joins CoIN's VizWiz/val.json records by image file name, as
+    the VizWiz evaluation does; a question whose image is not annotated names itself."""
+    from mcit.data.instructions import decode_instruction
+    from mcit.data.shards import iter_samples
+
+    raw = coin_raw(tmp_path / "coin_raw")
+    viz = raw / "Instructions" / "VizWiz"
+    viz.mkdir()
+    q = "What colour is this?\nWhen the provided information is insufficient, respond with 'Unanswerable'."
+    (viz / "train.json").write_text((raw / "Instructions" / "TextVQA" / "train.json").read_text())
+    val = [{"question_id": 7 + n, "image": f"vqa/{c}2.jpg", "text": q, "answer": c}
+           for n, c in enumerate(("red", "green"))]
+    (viz / "val.json").write_text(json.dumps(val))
+    ann = [{"image": f"{c}2.jpg", "question": "What colour is this?", "answerable": 1, "answer_type": "other",
+            "answers": [{"answer": c, "answer_confidence": "yes"}] * 8 + [{"answer": "dark", "answer_confidence": "maybe"}] * 2}
+           for c in ("green", "red")]
+    (raw / "vizwiz_val_annotations.json").write_text(json.dumps(ann))
+    args = ["--instructions", raw / "Instructions", "--images", raw / "images", "--task", "vizwiz", "--annotations",
+            f"vizwiz={raw / 'vizwiz_val_annotations.json'}"]
+    r = convert("coin", *args, "--out", tmp_path / "o1")
+    assert r.returncode == 0, r.stderr
+    got = {d["question_id"]: d["answers"] for d in (decode_instruction(s)[1] for s in
+           iter_samples(open_split(tmp_path / "o1" / "vizwiz" / "test"), 0, 1, policy="sample"))}
+    assert got == {"7": ["red"] * 8 + ["dark"] * 2, "8": ["green"] * 8 + ["dark"] * 2}
+    (viz / "val.json").write_text(json.dumps(val + [{"question_id": 9, "image": "vqa/blue2.jpg", "text": q,
+                                                       "answer": "blue"}]))
+    r = convert("coin", *args, "--out", tmp_path / "o2")
+    assert r.returncode == 2 and "record '9'" in r.stderr and "nor its image is in the annotation file" in r.stderr
+    (raw / "vizwiz_val_annotations.json").write_text(json.dumps(ann + [dict(ann[0])]))
+    r = convert("coin", *args, "--out", tmp_path / "o3")
+    assert r.returncode == 2 and "record 'green2.jpg'" in r.stderr and "duplicate image" in r.stderr
+
+
 def test_bad_instruction_inputs_name_the_record_and_file(tmp_path):
     raw = coin_raw(tmp_path / "coin_raw")
     tv = raw / "Instructions" / "TextVQA"
