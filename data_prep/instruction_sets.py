@@ -51,8 +51,10 @@ COIN = [TaskPreset("scienceqa", "ScienceQA", "coin_scienceqa"), TaskPreset("text
         TaskPreset("imagenet", "ImageNet", "coin_imagenet"), TaskPreset("gqa", "GQA", "coin_gqa"),
         TaskPreset("vizwiz", "VizWiz", "coin_vizwiz", "val"), TaskPreset("grounding", "Grounding", "coin_grounding"),
         TaskPreset("vqav2", "VQAv2", "coin_vqav2", "val"), TaskPreset("ocrvqa", "OCRVQA", "coin_ocrvqa")]
+# UCIT as MCITlib lays it out (Ghy0501/MCITlib README and configs/data_configs/UCIT/*.json: <UCIT>/<Task>/{train,test}.json,
+# images under <UCIT>/datasets).
 UCIT = [TaskPreset("imagenet_r", "ImageNet-R", "exact_match"), TaskPreset("arxivqa", "ArxivQA", "multiple_choice"),
-        TaskPreset("vizwiz_caption", "VizWiz-caption", "contains"), TaskPreset("iconqa", "IconQA", "exact_match"),
+        TaskPreset("vizwiz_caption", "VizWiz", "contains"), TaskPreset("iconqa", "IconQA", "exact_match"),
         TaskPreset("clevr_math", "CLEVR-Math", "exact_match"), TaskPreset("flickr30k", "Flickr30k", "contains")]
 
 

@@ -1,9 +1,10 @@
-"""UCIT (ImageNet-R, ArxivQA, VizWiz-caption, IconQA, CLEVR-Math, Flickr30k) -> instruction shards.
+"""UCIT (ImageNet-R, ArxivQA, VizWiz (captions), IconQA, CLEVR-Math, Flickr30k) -> instruction shards.
 
-    python -m data_prep.ucit --instructions UCIT/instructions --images UCIT/datasets --out data/shards/ucit
+    python -m data_prep.ucit --instructions UCIT --images UCIT/datasets --out data/shards/ucit
     python -m data_prep.ucit --verify data/shards/ucit
 
-Reads <instructions>/<Task>/{train,test}.json (or .jsonl / .parquet / .arrow / a saved dataset folder)
+Reads <instructions>/<Task>/{train,test}.json, MCITlib's UCIT layout (Ghy0501/MCITlib: ArxivQA, CLEVR-Math, Flickr30k,
+IconQA, ImageNet-R, VizWiz; or .jsonl / .parquet / .arrow / a saved dataset folder)
 and writes <out>/<task>/{train,test}, the layout configs/ucit_llava7b_fwd_prompt.yaml reads. See
 data_prep.instruction_sets for the record forms and the checks.
 """

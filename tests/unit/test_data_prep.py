@@ -289,6 +289,20 @@ def test_vizwiz_annotations_join_by_image(tmp_path):
     assert r.returncode == 2 and "record 'green2.jpg'" in r.stderr and "duplicate image" in r.stderr
 
 
+def test_ucit_reads_mcitlib_folder_names(tmp_path):
+    """MCITlib's UCIT tree names the captioning task's folder VizWiz (configs/data_configs/UCIT/VizWiz.json);
+    it becomes the vizwiz_caption task."""
+    raw = coin_raw(tmp_path / "coin_raw")
+    ucit = tmp_path / "UCIT"
+    (ucit / "VizWiz").mkdir(parents=True)
+    (ucit / "VizWiz" / "train.json").write_text((raw / "Instructions" / "TextVQA" / "train.json").read_text())
+    (ucit / "VizWiz" / "test.json").write_text((raw / "Instructions" / "TextVQA" / "val.json").read_text())
+    r = convert("ucit", "--instructions", ucit, "--images", raw / "images", "--task", "vizwiz_caption", "--out",
+                tmp_path / "ucit_out")
+    assert r.returncode == 0, r.stderr
+    assert open_split(tmp_path / "ucit_out" / "vizwiz_caption" / "test").num_samples == 3
+
+
 def test_bad_instruction_inputs_name_the_record_and_file(tmp_path):
     raw = coin_raw(tmp_path / "coin_raw")
     tv = raw / "Instructions" / "TextVQA"
