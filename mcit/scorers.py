@@ -49,17 +49,42 @@ def exact_match(pred: str, ref: dict[str, Any]) -> float:
 
 @register("vqa_accuracy")
 def vqa_accuracy(pred: str, ref: dict[str, Any]) -> float:
-    """VQA accuracy: min(#annotators who gave this answer / 3, 1), averaged over the 10 leave-one-out
-    subsets of annotators as the official script does (equal to min(n/3, 1) up to that averaging)."""
-    answers = [normalize(a) for a in ref.get("answers") or [ref["answer"]]]
-    p = normalize(pred)
-    if len(answers) <= 1:
-        return float(bool(answers) and p == answers[0])
-    accs = []
-    for i in range(len(answers)):
-        others = answers[:i] + answers[i + 1:]
-        accs.append(min(sum(a == p for a in others) / 3.0, 1.0))
+    """The official VQA evaluation's accuracy (GT-Vision-Lab/VQA vqaEval.py): the answers and the prediction
+    lose newlines, tabs and outer spaces; only when the annotators disagree (more than one distinct answer)
+    are all of them normalised (punctuation, then lower case, number words, articles, contractions); the
+    score is min(#other annotators with this answer / 3, 1) averaged over leaving each annotator out. So with
+    ten identical answers "Yes" does not match "yes", as there. A single reference answer (no annotators:
+    the official formula would always give 0) is compared after the same normalisation."""
+    answers = [_vqa_clean(a) for a in ref.get("answers") or [ref["answer"]]]
+    p = _vqa_clean(pred)
+    if len(answers) == 1 or len(set(answers)) > 1:
+        answers = [_vqa_normalise(a) for a in answers]
+        p = _vqa_normalise(p)
+    if len(answers) == 1:
+        return float(p == answers[0])
+    accs = [min(1.0, sum(1 for j, a in enumerate(answers) if j != i and a == p) / 3) for i in range(len(answers))]
     return sum(accs) / len(accs)
+
+
+def _vqa_clean(text: str) -> str:
+    return text.replace("\n", " ").replace("\t", " ").strip()
+
+
+_VQA_COMMA_STRIP = re.compile(r"(\d)(\,)(\d)")
+_VQA_PERIOD_STRIP = re.compile(r"(?!<=\d)(\.)(?!\d)")
+
+
+def _vqa_normalise(text: str) -> str:
+    """vqaEval.py's processPunctuation + processDigitArticle (its look-ahead typo and count=re.UNICODE kept)."""
+    out = text
+    for p in EvalAIAnswerProcessor.PUNCTUATIONS:
+        if p + " " in text or " " + p in text or _VQA_COMMA_STRIP.search(text) is not None:
+            out = out.replace(p, "")
+        else:
+            out = out.replace(p, " ")
+    out = _VQA_PERIOD_STRIP.sub("", out, count=int(re.UNICODE))
+    words = [_NUMBERS.get(w, w) for w in out.lower().split()]
+    return " ".join(_CONTRACTIONS.get(w, w) for w in words if w not in ("a", "an", "the"))
 
 
 @register("multiple_choice")
