@@ -53,9 +53,11 @@ COIN = [TaskPreset("scienceqa", "ScienceQA", "coin_scienceqa"), TaskPreset("text
         TaskPreset("vqav2", "VQAv2", "coin_vqav2", "val"), TaskPreset("ocrvqa", "OCRVQA", "coin_ocrvqa")]
 # UCIT as MCITlib lays it out (Ghy0501/MCITlib README and configs/data_configs/UCIT/*.json: <UCIT>/<Task>/{train,test}.json,
 # images under <UCIT>/datasets).
-UCIT = [TaskPreset("imagenet_r", "ImageNet-R", "exact_match"), TaskPreset("arxivqa", "ArxivQA", "multiple_choice"),
-        TaskPreset("vizwiz_caption", "VizWiz", "contains"), TaskPreset("iconqa", "IconQA", "exact_match"),
-        TaskPreset("clevr_math", "CLEVR-Math", "exact_match"), TaskPreset("flickr30k", "Flickr30k", "contains")]
+# The accuracy tasks are scored as MCITlib's eval_deepseek_r1.py (ucit_accuracy); the captioning tasks by
+# `contains` until the COCO caption metrics MCITlib's eval_caption.py reports land (issue 17).
+UCIT = [TaskPreset("imagenet_r", "ImageNet-R", "ucit_accuracy"), TaskPreset("arxivqa", "ArxivQA", "ucit_accuracy"),
+        TaskPreset("vizwiz_caption", "VizWiz", "contains"), TaskPreset("iconqa", "IconQA", "ucit_accuracy"),
+        TaskPreset("clevr_math", "CLEVR-Math", "ucit_accuracy"), TaskPreset("flickr30k", "Flickr30k", "contains")]
 
 
 def _safe(x: Any) -> str:

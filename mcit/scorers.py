@@ -331,3 +331,14 @@ def coin_grounding(pred: str, ref: dict[str, Any]) -> float:
 def coin_grounding_official(pred: str, ref: dict[str, Any]) -> float:
     """eval_grounding.py as published, first and last character of the prediction cut before parsing."""
     return _coin_grounding(pred, ref, official=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# MCITlib's UCIT evaluation (Ghy0501/MCITlib 2956dfd, CL-MoE/llava/eval/CoIN/).
+
+@register("ucit_accuracy")
+def ucit_accuracy(pred: str, ref: dict[str, Any]) -> float:
+    """eval_deepseek_r1.py's accuracy (ImageNet-R, ArxivQA, IconQA, CLEVR-Math): the prediction equals the
+    answer, case-insensitively (upper()). Its second number, a DeepSeek-judged similarity, needs that API
+    and is not reproduced."""
+    return float(pred.upper() == ref["answer"].upper())

@@ -1,7 +1,7 @@
-"""CoIN's scorers against CoIN's own evaluation scripts (official/coin_scorers.json: zackschen/CoIN 4122465, each
-case run through the script's own function outside the repository, see its "source"). Every case must score
-exactly as there; where a scorer departs from a script's bug by default, the `_official` variant is compared and
-the departure's cases are named."""
+"""CoIN's and MCITlib's scorers against their own evaluation scripts (official/coin_scorers.json: zackschen/CoIN
+4122465; official/ucit_scorers.json: Ghy0501/MCITlib 2956dfd; each case run through the script's own function
+outside the repository, see each file's "source"). Every case must score exactly as there; where a scorer departs
+from a script's bug by default, the `_official` variant is compared and the departure's cases are named."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import pytest
 
 from mcit import scorers
 
-CASES = json.loads((Path(__file__).parent / "official" / "coin_scorers.json").read_text())["cases"]
+CASES = {**json.loads((Path(__file__).parent / "official" / "coin_scorers.json").read_text())["cases"],
+         **json.loads((Path(__file__).parent / "official" / "ucit_scorers.json").read_text())["cases"]}
 
 
 def _ref(case: dict) -> dict:

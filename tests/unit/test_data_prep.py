@@ -228,7 +228,7 @@ def test_instruction_sets_convert_and_verify(tmp_path):
     assert g[0]["box"] == [0.1, 0.1, 0.9, 0.9]
     assert convert("coin", "--verify", out["coin"]).returncode == 0
     tr = open_split(out["ucit"] / "arxivqa" / "train")
-    assert tr.num_samples == 3 and tr.manifest["scorer"] == "multiple_choice"
+    assert tr.num_samples == 3 and tr.manifest["scorer"] == "ucit_accuracy"
     s = next(iter_samples(tr, 0, 1, policy="sample"))
     assert "png" in s and json.loads(s["json"])["choices"] == ["warm", "cool"]
     assert convert("ucit", "--verify", out["ucit"]).returncode == 0
