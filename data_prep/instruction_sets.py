@@ -51,8 +51,8 @@ COIN = [TaskPreset("scienceqa", "ScienceQA", "coin_scienceqa"), TaskPreset("text
         TaskPreset("imagenet", "ImageNet", "coin_imagenet"), TaskPreset("gqa", "GQA", "coin_gqa"),
         TaskPreset("vizwiz", "VizWiz", "coin_vizwiz", "val"), TaskPreset("grounding", "Grounding", "coin_grounding"),
         TaskPreset("vqav2", "VQAv2", "coin_vqav2", "val"), TaskPreset("ocrvqa", "OCRVQA", "coin_ocrvqa")]
-# UCIT as MCITlib lays it out (Ghy0501/MCITlib README and configs/data_configs/UCIT/*.json: <UCIT>/<Task>/{train,test}.json,
-# images under <UCIT>/datasets).
+# UCIT as MCITlib lays it out (Ghy0501/MCITlib README and configs/data_configs/UCIT/*.json:
+# <UCIT>/<Task>/{train,test}.json, images under <UCIT>/datasets).
 # The accuracy tasks are scored as MCITlib's eval_deepseek_r1.py (ucit_accuracy); the captioning tasks by
 # `contains` until the COCO caption metrics MCITlib's eval_caption.py reports land (issue 17).
 UCIT = [TaskPreset("imagenet_r", "ImageNet-R", "ucit_accuracy"), TaskPreset("arxivqa", "ArxivQA", "ucit_accuracy"),

@@ -36,7 +36,8 @@ def evaluate_row(host: "MethodHost", *, trained: int, answers_dir: Path, tasks: 
         res = evaluate_generation(method, tests, batch_size=cfg.eval.batch_size, policy=cfg.data.split,
                                   collates=collates, scorers=scorers, max_new_tokens=cfg.eval.max_new_tokens,
                                   answers_dir=answers_dir, progress=cfg.train.progress, desc=desc, file_ids=tasks,
-                                  model_id=cfg.backbone.tag if cfg.backbone.tag != "local" else Path(cfg.backbone.path).name)
+                                  model_id=cfg.backbone.tag if cfg.backbone.tag != "local"
+                                  else Path(cfg.backbone.path).name)
         return {"score_sum": [c for c, _ in res], "total": [n for _, n in res],
                 "acc": [100.0 * c / max(n, 1) for c, n in res], "scorers": scorers}
     allowed = None

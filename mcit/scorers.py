@@ -62,6 +62,11 @@ def vqa_accuracy(pred: str, ref: dict[str, Any]) -> float:
         p = _vqa_normalise(p)
     if len(answers) == 1:
         return float(p == answers[0])
+    return _soft_score(p, answers)
+
+
+def _soft_score(p: str, answers: list[str]) -> float:
+    """min(#other annotators who gave ``p`` / 3, 1), averaged over leaving each annotator out."""
     accs = [min(1.0, sum(1 for j, a in enumerate(answers) if j != i and a == p) / 3) for i in range(len(answers))]
     return sum(accs) / len(accs)
 
@@ -70,14 +75,21 @@ def _vqa_clean(text: str) -> str:
     return text.replace("\n", " ").replace("\t", " ").strip()
 
 
+_VQA_PUNCTUATIONS = (";", "/", "[", "]", '"', "{", "}", "(", ")", "=", "+", "\\", "_", "-", ">", "<", "@", "`", ",",
+                     "?", "!")
 _VQA_COMMA_STRIP = re.compile(r"(\d)(\,)(\d)")
 _VQA_PERIOD_STRIP = re.compile(r"(?!<=\d)(\.)(?!\d)")
 
 
 def _vqa_normalise(text: str) -> str:
-    """vqaEval.py's processPunctuation + processDigitArticle (its look-ahead typo and count=re.UNICODE kept)."""
+    """vqaEval.py's processPunctuation + processDigitArticle: punctuation deleted outright when the text has
+    a space beside it or a digit comma digit, else replaced by a space; full stops not before a digit
+    deleted; lower case, number words to digits, articles dropped, contractions restored. Two quirks of
+    that code are kept because they decide scores: its full-stop pattern ``(?!<=\d)`` is a look-ahead
+    typo (a full stop after a digit goes too), and ``sub`` receives ``re.UNICODE`` as its count, so at
+    most 32 full stops go."""
     out = text
-    for p in EvalAIAnswerProcessor.PUNCTUATIONS:
+    for p in _VQA_PUNCTUATIONS:
         if p + " " in text or " " + p in text or _VQA_COMMA_STRIP.search(text) is not None:
             out = out.replace(p, "")
         else:
@@ -212,14 +224,13 @@ def coin_scienceqa(pred: str, ref: dict[str, Any]) -> float:
 
 
 @register("coin_vizwiz")
-def coin_vizwiz(pred: str, ref: dict[str, Any]) -> float:
-    """eval_vizwiz.py: the prediction equals the instruction file's answer, case-insensitively (upper())."""
-    return float(pred.upper() == ref["answer"].upper())
-
-
 @register("coin_vqav2")
-def coin_vqav2(pred: str, ref: dict[str, Any]) -> float:
-    """eval_vqav2.py: as VizWiz, one answer compared case-insensitively (upper())."""
+@register("ucit_accuracy")
+def upper_equal(pred: str, ref: dict[str, Any]) -> float:
+    """The prediction equals the single answer after upper(): CoIN's eval_vizwiz.py and eval_vqav2.py, and
+    MCITlib's UCIT accuracy (Ghy0501/MCITlib 2956dfd, CL-MoE/llava/eval/CoIN/eval_deepseek_r1.py, for
+    ImageNet-R, ArxivQA, IconQA, CLEVR-Math; its second number, a DeepSeek-judged similarity, needs that API
+    and is not reproduced)."""
     return float(pred.upper() == ref["answer"].upper())
 
 
@@ -239,35 +250,12 @@ def coin_gqa(pred: str, ref: dict[str, Any]) -> float:
     return float(pred.rstrip(".").lower() == ref["answer"])
 
 
-class EvalAIAnswerProcessor:
-    """The answer normalisation of the VQA / EvalAI evaluation as the m4c evaluator (CoIN's
-    m4c_evaluator.py, from facebookresearch/mmf) runs it: lower case, commas and question marks dropped,
-    "'s" split off, punctuation removed (deleted outright when the text has a space beside it or a digit
-    comma digit, else replaced by a space), full stops not before a digit deleted, number words to digits,
-    articles dropped, contractions restored. Two quirks of that code are kept because they decide scores:
-    its full-stop pattern ``(?!<=\\d)`` is a look-ahead typo (a full stop after a digit is deleted too),
-    and ``sub`` receives ``re.UNICODE`` as its count, so at most 32 full stops go."""
-
-    PUNCTUATIONS = (";", "/", "[", "]", '"', "{", "}", "(", ")", "=", "+", "\\", "_", "-", ">", "<", "@", "`",
-                    ",", "?", "!")
-    NUMBERS = _NUMBERS
-    ARTICLES = ("a", "an", "the")
-    PERIOD_STRIP = re.compile(r"(?!<=\d)(\.)(?!\d)")
-    COMMA_STRIP = re.compile(r"(?<=\d)(\,)+(?=\d)")
-
-    def __call__(self, text: str) -> str:
-        t = text.lower().replace(",", "").replace("?", "").replace("'s", " 's").strip()
-        t = t.replace("\n", " ").replace("\t", " ").strip()
-        out = t
-        for p in self.PUNCTUATIONS:
-            if p + " " in t or " " + p in t or self.COMMA_STRIP.search(t) is not None:
-                out = out.replace(p, "")
-            else:
-                out = out.replace(p, " ")
-        out = self.PERIOD_STRIP.sub("", out, count=int(re.UNICODE))
-        words = [self.NUMBERS.get(w, w) for w in out.lower().split()]
-        words = [_CONTRACTIONS.get(w, w) for w in words if w not in self.ARTICLES]
-        return " ".join(words)
+def evalai_normalise(text: str) -> str:
+    """The m4c evaluator's EvalAIAnswerProcessor (CoIN's m4c_evaluator.py, from facebookresearch/mmf):
+    lower case, commas and question marks dropped, "'s" split off, then the VQA evaluation's
+    normalisation (``_vqa_normalise``; its digit-comma-digit rule never fires here, the commas being gone)."""
+    t = text.lower().replace(",", "").replace("?", "").replace("'s", " 's").strip()
+    return _vqa_normalise(_vqa_clean(t))
 
 
 @register("coin_textvqa")
@@ -275,13 +263,9 @@ def coin_textvqa(pred: str, ref: dict[str, Any]) -> float:
     """eval_textvqa.py (m4c TextVQAAccuracyEvaluator): the normalised prediction's soft score among the
     normalised annotator answers, min(1, matches among the other nine / 3) averaged over leaving each of the
     ten out. ("1000" matches an annotator's "1,000"; "U.S.A." is "usa".)"""
-    proc = EvalAIAnswerProcessor()
-    answers = [proc(a) for a in ref.get("answers") or [ref["answer"]]]
-    p = proc(pred)
-    if p not in answers:
-        return 0.0
-    accs = [min(1.0, sum(1 for j, a in enumerate(answers) if j != i and a == p) / 3) for i in range(len(answers))]
-    return sum(accs) / len(accs)
+    answers = [evalai_normalise(a) for a in ref.get("answers") or [ref["answer"]]]
+    p = evalai_normalise(pred)
+    return _soft_score(p, answers) if p in answers else 0.0
 
 
 def coin_box(text: str, official: bool = False) -> list[float] | None:
@@ -332,13 +316,3 @@ def coin_grounding_official(pred: str, ref: dict[str, Any]) -> float:
     """eval_grounding.py as published, first and last character of the prediction cut before parsing."""
     return _coin_grounding(pred, ref, official=True)
 
-
-# --------------------------------------------------------------------------------------------------
-# MCITlib's UCIT evaluation (Ghy0501/MCITlib 2956dfd, CL-MoE/llava/eval/CoIN/).
-
-@register("ucit_accuracy")
-def ucit_accuracy(pred: str, ref: dict[str, Any]) -> float:
-    """eval_deepseek_r1.py's accuracy (ImageNet-R, ArxivQA, IconQA, CLEVR-Math): the prediction equals the
-    answer, case-insensitively (upper()). Its second number, a DeepSeek-judged similarity, needs that API
-    and is not reproduced."""
-    return float(pred.upper() == ref["answer"].upper())
