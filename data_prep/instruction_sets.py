@@ -4,7 +4,8 @@ dataset that ``datasets`` loads from local files (parquet / arrow / json).
 Two record forms are read, as the benchmarks distribute them:
 
 * training form (LLaVA): ``{"id", "image", "conversations": [{"from": "human", "value": "<image>\\n..."},
-  {"from": "gpt", "value": ...}, ...]}``; a multi-turn conversation becomes one sample per turn;
+  {"from": "gpt", "value": ...}, ...]}``; a multi-turn conversation is one sample (each answer trained
+  with the turns before it, as LLaVA trains);
 * test form (CoIN's question files): ``{"question_id", "image", "text", "answer"}``, plus
   ``answer_bbox`` (and ``size``) for grounding.
 
@@ -17,7 +18,9 @@ ids are an error, in the
 question file and in the annotation file alike: joining by a key that is not unique silently scores
 answers against another question's references (the VizWiz mismatch). A record without an answer, a
 missing or unreadable image and an unknown record form are errors naming the record id and the file;
-``--on-error skip`` leaves them out and counts them in the manifest.
+``--on-error skip`` leaves them out and counts them in the manifest. A record without an ``image`` key
+is text-only (LLaVA's rule; CoIN's ScienceQA and LLaVA's text conversations have such records): kept,
+marked ``"text_only": true`` and stored without an image.
 """
 
 from __future__ import annotations
@@ -53,11 +56,11 @@ COIN = [TaskPreset("scienceqa", "ScienceQA", "coin_scienceqa"), TaskPreset("text
         TaskPreset("vqav2", "VQAv2", "coin_vqav2", "val"), TaskPreset("ocrvqa", "OCRVQA", "coin_ocrvqa")]
 # UCIT as MCITlib lays it out (Ghy0501/MCITlib README and configs/data_configs/UCIT/*.json:
 # <UCIT>/<Task>/{train,test}.json, images under <UCIT>/datasets).
-# The accuracy tasks are scored as MCITlib's eval_deepseek_r1.py (ucit_accuracy); the captioning tasks by
-# `contains` until the COCO caption metrics MCITlib's eval_caption.py reports land (issue 17).
+# The accuracy tasks are scored as MCITlib's eval_deepseek_r1.py (ucit_accuracy), the captioning tasks as its
+# eval_caption.py (ucit_caption: the mean of BLEU-1..4, METEOR, ROUGE-L, CIDEr; mcit.caption_metrics).
 UCIT = [TaskPreset("imagenet_r", "ImageNet-R", "ucit_accuracy"), TaskPreset("arxivqa", "ArxivQA", "ucit_accuracy"),
-        TaskPreset("vizwiz_caption", "VizWiz", "contains"), TaskPreset("iconqa", "IconQA", "ucit_accuracy"),
-        TaskPreset("clevr_math", "CLEVR-Math", "ucit_accuracy"), TaskPreset("flickr30k", "Flickr30k", "contains")]
+        TaskPreset("vizwiz_caption", "VizWiz", "ucit_caption"), TaskPreset("iconqa", "IconQA", "ucit_accuracy"),
+        TaskPreset("clevr_math", "CLEVR-Math", "ucit_accuracy"), TaskPreset("flickr30k", "Flickr30k", "ucit_caption")]
 
 
 def _safe(x: Any) -> str:
@@ -111,12 +114,16 @@ def load_annotations(path: Path) -> dict[str, dict]:
     return out
 
 
-def record_turns(item: dict, where: Path, annotations: dict[str, dict] | None) -> tuple[str, list[dict]]:
-    """(record id, one reference dict per turn) of a record in either form; RecordError if malformed."""
+def record_reference(item: dict, where: Path, annotations: dict[str, dict] | None) -> tuple[str, dict]:
+    """(record id, the sample's reference) of a record in either form; RecordError if malformed. A
+    multi-turn conversation stays one sample (its later turns keep their history); a record without an
+    ``image`` key is text-only, as LLaVA's own loader decides (``'image' in sources[0]``), and is marked
+    ``text_only``."""
     if not isinstance(item, dict):
         raise RecordError("?", where, "unknown format (a record is not a JSON object)")
     rid = str(item.get("question_id", item.get("id", "?")))
-    extra: dict[str, Any] = {}
+    text_only = "image" not in item
+    extra: dict[str, Any] = {"text_only": True} if text_only else {}
     try:
         if "conversations" in item:
             pairs = turns(item["conversations"], f"record {rid!r} ({where})")
@@ -139,7 +146,7 @@ def record_turns(item: dict, where: Path, annotations: dict[str, dict] | None) -
                 raise RecordError(rid, where, "record has no answer")
             if isinstance(ans, int) and "choices" in item:
                 ans = LETTERS[ans]
-            pairs = [(q if "<image>" in q else f"<image>\n{q}", str(ans))]
+            pairs = [(q if "<image>" in q or text_only else f"<image>\n{q}", str(ans))]
         else:
             raise RecordError(rid, where, "unknown format (neither 'conversations' nor 'text'/'question')")
         if "answers" in item:
@@ -154,15 +161,11 @@ def record_turns(item: dict, where: Path, annotations: dict[str, dict] | None) -
     except (DataError, ValueError, TypeError, KeyError, IndexError) as e:
         raise RecordError(rid, where, str(e).split(": ", 1)[-1] if isinstance(e, DataError) else
                           f"malformed ({e.__class__.__name__}: {e})") from None
-    refs = []
-    for t, (q, a) in enumerate(pairs):
+    for t, (_, a) in enumerate(pairs):
         if not a.strip():
             raise RecordError(rid, where, f"turn {t} has no answer")
-        ref = {"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]}
-        if t == 0:
-            ref.update(extra)
-        refs.append(ref)
-    return rid, refs
+    conv = [m for q, a in pairs for m in ({"from": "human", "value": q}, {"from": "gpt", "value": a})]
+    return rid, {"conversations": conv, **extra}
 
 
 def read_items(path: Path) -> list[Any]:
@@ -218,14 +221,16 @@ def load_with_datasets(path: Path) -> list[dict]:
 
 
 def _image_ref(item: dict, rid: str, where: Path, images: Path | None) -> tuple[str, Any]:
-    """('path', str) or ('bytes', bytes) for a record's image."""
+    """('path', str), ('bytes', bytes), or ('none', None) for a text-only record (no ``image`` key)."""
+    if "image" not in item:
+        return "none", None
     img = item.get("image")
     if isinstance(img, dict) and img.get("bytes"):
         return "bytes", img["bytes"]
     if isinstance(img, dict):
         img = img.get("path")
     if not img:
-        raise RecordError(rid, where, "record has no image")
+        raise RecordError(rid, where, "record has an empty image")
     if images is None:
         raise RecordError(rid, where, f"image {img!r} is a path but no --images folder was given")
     path = images / str(img)
@@ -239,6 +244,8 @@ def encode(spec: tuple[str, str, str, tuple[str, Any], dict]) -> dict:
     from PIL import Image
 
     key, rid, source, (kind, ref), rec = spec
+    if kind == "none":  # text-only
+        return {"__key__": key, "json": json.dumps({"id": rid, **rec}).encode()}
     if kind == "path":
         ext, data = read_image_file(rid, ref)
     else:
@@ -254,17 +261,19 @@ def encode(spec: tuple[str, str, str, tuple[str, Any], dict]) -> dict:
     return {"__key__": key, ext: data, "json": json.dumps({"id": rid, **rec}).encode()}
 
 
-def specs_of(path: Path, images: Path | None, annotations: Path | None, on_error: str
-             ) -> tuple[list[tuple], list[str]]:
-    """Shard specs of one split file and the ids of the records left out under ``on_error=skip``."""
+def specs_of(path: Path, images: Path | None, annotations: Path | None, on_error: str, *, unique_ids: bool = True,
+             items: list[Any] | None = None, positions: list[int] | None = None) -> tuple[list[tuple], list[str]]:
+    """Shard specs of one split file (or of ``items`` read from it, at ``positions`` in it) and the ids of
+    the records left out under ``on_error=skip``. ``unique_ids=False`` (training mixes such as LLaVA's,
+    never joined with annotations) keys samples by their position as well, so a repeated id is not an error."""
     ann = load_annotations(annotations) if annotations is not None else None
     specs, skipped, seen = [], [], set()
-    for n, item in enumerate(read_items(path)):
+    for n, item in enumerate(read_items(path) if items is None else items):
         try:
-            rid, refs = record_turns(item, path, ann)
+            rid, ref = record_reference(item, path, ann)
             if rid == "?":
                 rid = f"item{n}"
-            if rid in seen:
+            if unique_ids and rid in seen:
                 raise RecordError(rid, path, "duplicate id (an earlier record has the same id)")
             seen.add(rid)
             image = _image_ref(item, rid, path, images)
@@ -273,14 +282,14 @@ def specs_of(path: Path, images: Path | None, annotations: Path | None, on_error
                 raise
             skipped.append(e.record_id)
             continue
-        for t, ref in enumerate(refs):
-            specs.append((f"{_safe(rid)}_t{t}", rid, str(path), image, ref))
+        pos = positions[n] if positions is not None else n
+        specs.append((_safe(rid) if unique_ids else f"{pos:07d}_{_safe(rid)}", rid, str(path), image, ref))
     return specs, skipped
 
 
 def write_planned(specs: list[tuple], skipped: list[str], path: Path, out: Path, *, scorer: str,
                   annotations: Path | None = None, shard_size: int = 1000, workers: int = 1, on_error: str = "fail",
-                  progress: bool = True, task: str = "", limit: int = 0) -> dict:
+                  progress: bool = True, task: str = "", limit: int = 0, extra: dict | None = None) -> dict:
     """Write the specs of one split file (from ``specs_of``) as an instruction split."""
     if limit:
         specs = specs[:limit]
@@ -288,7 +297,8 @@ def write_planned(specs: list[tuple], skipped: list[str], path: Path, out: Path,
                         workers=workers, progress=progress, desc=f"{task or out.parent.name}/{out.name}",
                         extra={"kind": "instruction", "scorer": scorer, "task": task, "source": str(path),
                                "annotations": str(annotations) if annotations else None,
-                               "source_skipped": len(skipped), "source_skipped_records": skipped[:1000]})
+                               "source_skipped": len(skipped), "source_skipped_records": skipped[:1000],
+                               **(extra or {})})
 
 
 def convert_split(path: Path, out: Path, *, images: Path | None, scorer: str, annotations: Path | None = None,

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from data_prep.common import converter_arguments, run_cli, verify
 from data_prep.instruction_sets import convert_split
+from mcit import caption_metrics as C
 from mcit import scorers as S
 
 
@@ -24,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--images", type=Path, help="the folder the records' image paths are relative to")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--annotations", type=Path, help="original annotation file joined on question_id")
-    ap.add_argument("--scorer", default="exact_match", choices=sorted(S.SCORERS))
+    ap.add_argument("--scorer", default="exact_match", choices=sorted([*S.SCORERS, *C.CORPUS]))
     ap.add_argument("--limit", type=int, default=0, help="convert only the first N samples (0 = all)")
     return run_cli(ap, argv, lambda a: convert_split(
         a.json, a.out, images=a.images, scorer=a.scorer, annotations=a.annotations, shard_size=a.shard_size,

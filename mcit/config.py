@@ -39,6 +39,16 @@ class BackboneConfig(_Strict):
     quantization: Literal["none", "4bit", "8bit"] = Field(
         "none", description="load the frozen backbone in 4-bit (nf4) or 8-bit through bitsandbytes")
     max_length: int = Field(2048, ge=8, description="longest tokenised sample allowed (llava)")
+    chat_format: Literal["auto", "processor", "vicuna_v1"] = Field(
+        "auto", description="multimodal LLMs: how a conversation becomes tokens (mcit.models.chat): vicuna_v1 is "
+                            "LLaVA-1.5's own conversation (system prompt, USER:/ASSISTANT:, </s>), processor the "
+                            "checkpoint's chat template; auto: vicuna_v1 for LLaVA-1.5 tags, else processor")
+
+    @model_validator(mode="after")
+    def _chat_format(self) -> "BackboneConfig":
+        if self.chat_format == "auto":  # LLaVA-1.5 tags (the zoo's llava_v1.5_7b, llava-1.5-7b, ...)
+            self.chat_format = "vicuna_v1" if re.search(r"llava[-_]?v?1\.5", self.tag.lower()) else "processor"
+        return self
 
     @field_validator("kind")
     @classmethod

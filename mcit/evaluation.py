@@ -113,10 +113,13 @@ def evaluate_generation(method: Method, splits: list[Split], *, batch_size: int,
                         model_id: str = "mcit") -> list[tuple[float, int]]:
     """(summed score, count) per split. Each rank generates for its part of every split; the answers
     are gathered to rank 0, which writes ``answers_dir/<task index>.jsonl`` (``answer_row``) sorted by key,
-    so scores can be recomputed without the model. ``file_ids``: the task index of each split (default
+    so scores can be recomputed without the model. A corpus scorer (mcit.caption_metrics: CIDEr, MCITlib's
+    caption average) scores the gathered answers once (rows carry ``score: null``; the task's number and
+    every metric go to ``<task index>.metrics.json``); its summed score is the corpus value x count. ``file_ids``: the task index of each split (default
     its position)."""
     import json
 
+    from mcit import caption_metrics as C
     from mcit import scorers as S
     from mcit.checkpoint import atomic_write_text
 
@@ -130,19 +133,29 @@ def evaluate_generation(method: Method, splits: list[Split], *, batch_size: int,
         bar = tqdm(total=sum(s.num_samples for s in splits), desc=desc, unit="sample", leave=False,
                    dynamic_ncols=True, mininterval=0.5 if sys.stderr.isatty() else 10.0)
     for i, split in enumerate(splits):
-        score = S.get(scorers[i])
+        corpus = scorers[i] in C.CORPUS  # a corpus metric (CIDEr ...): scored once over every rank's answers
+        score = None if corpus else S.get(scorers[i])
         rows = []
         for batch in eval_batches(split, rank=dist.rank(), world=dist.world_size(), batch_size=batch_size,
                                   policy=policy, collate=collates[i]):
             preds = method.generate(batch.to(device), max_new_tokens)
             for pred, ref in zip(preds, batch.meta):
-                rows.append(answer_row(ref, pred, score(pred, ref), model_id))
+                rows.append(answer_row(ref, pred, None if score is None else score(pred, ref), model_id))
             if bar is not None:
                 bar.update(len(batch) * dist.world_size())
         gathered = sorted((r for part in dist.gather_objects(rows) for r in part), key=lambda r: r["key"])
+        name = f"{file_ids[i] if file_ids else i}"
+        if corpus:  # rank 0 runs the metric; every rank gets its value
+            value, table = dist.broadcast_object(C.score_rows(scorers[i], gathered) if dist.is_main() else None)
+            if dist.is_main() and answers_dir is not None:
+                atomic_write_text(answers_dir / f"{name}.metrics.json", json.dumps(
+                    {"scorer": scorers[i], "score": value, "metrics": table, "samples": len(gathered)}, indent=1))
+            total = value * len(gathered)
+        else:
+            total = float(sum(r["score"] for r in gathered))
         if dist.is_main() and answers_dir is not None:
-            atomic_write_text(answers_dir / f"{file_ids[i] if file_ids else i}.jsonl", "".join(json.dumps(r) + "\n" for r in gathered))
-        out.append((float(sum(r["score"] for r in gathered)), len(gathered)))
+            atomic_write_text(answers_dir / f"{name}.jsonl", "".join(json.dumps(r) + "\n" for r in gathered))
+        out.append((float(total), len(gathered)))
     if bar is not None:
         bar.close()
     return out

@@ -224,7 +224,7 @@ def write_metrics(plan: Plan, done: int) -> dict[str, Any]:
     first_loss = [read_json(rd.row(t)).get("first_task_loss") for t in range(done)]
     record = plan.backbone.record
     out = {"name": cfg.name, "method": cfg.method.name, "backbone": cfg.backbone.tag,
-           "tasks": plan.names, "test_counts": counts, "acc_unit": "percent",
+           "tasks": plan.names, "scorers": plan.scorers, "test_counts": counts, "acc_unit": "percent",
            "complete": done == T, "tasks_done": done, "acc_matrix": acc, "zero_shot": zs,
            "first_task_loss": first_loss, "seed": cfg.seed, "meta": cfg.meta,
            "backbone_sha256": record.get("sha256"), "backbone_format": record.get("format"), **m}

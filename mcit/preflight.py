@@ -114,12 +114,16 @@ def preflight(cfg: RunConfig, base: Path | None = None, *, run_dir: Path | None 
                               f"{bb.kind} needs {'instruction' if generative else 'classification'} data")
     scorers = None
     if generative:
+        from mcit import caption_metrics as C
         from mcit import scorers as S
 
         scorers = [s.scorer or te.manifest.get("scorer") or "exact_match" for s, te in zip(specs, test)]
         for s, name in zip(specs, scorers):
-            if name not in S.SCORERS:
-                raise ConfigError(f"data.tasks: task {s.name!r}: unknown scorer {name!r}; known: {', '.join(sorted(S.SCORERS))}")
+            if name not in S.SCORERS and name not in C.CORPUS:
+                raise ConfigError(f"data.tasks: task {s.name!r}: unknown scorer {name!r}; "
+                                  f"known: {', '.join(sorted([*S.SCORERS, *C.CORPUS]))}")
+            if name in C.CORPUS and C.check():
+                raise ConfigError(f"data.tasks: task {s.name!r}: scorer {name} cannot run here: {C.check()}")
     method_cls = METHODS.get(cfg.method.name)
     try:
         method_cls.check_inputs(cfg.method.params())

@@ -11,7 +11,8 @@
       logs/train.jsonl  logs/tb/         the training log (rank 0), TensorBoard
       eval/zero_shot.json                accuracy-matrix rows: the zero-shot row ...
       eval/after_task_<t>.json           ... and the row after each task
-      eval/answers/<row>/<task>.jsonl    generated answers (instruction tasks)
+      eval/answers/<row>/<task>.jsonl    generated answers (instruction tasks; <task>.metrics.json: a
+                                         corpus scorer's metrics, e.g. CIDEr)
       eval/evaluate/                     evaluation-only passes (pipelines/evaluate.py), same layout
       checkpoints/current.safetensors    the method state the last committed stage left
       checkpoints/task_<t>/method.safetensors + method.json   the export after task t

@@ -128,12 +128,75 @@ def coin_raw(root):
         for n, c in enumerate(colours)]
     gtest = [{"question_id": f"gq{n}", "image": f"vqa/{c}1.jpg", "text": "Give the box of the object.",
               "answer_bbox": "[0.1,0.1,0.9,0.9]", "size": [32, 32]} for n, c in enumerate(colours)]
-    for task, (tr, te, test_file) in {"TextVQA": (train, test, "val"), "Grounding": (gtrain, gtest, "test")}.items():
-        (root / "Instructions" / task).mkdir(parents=True, exist_ok=True)
-        (root / "Instructions" / task / "train.json").write_text(json.dumps(tr))
-        (root / "Instructions" / task / f"{test_file}.json").write_text(json.dumps(te))
+    # ScienceQA as CoIN ships it: some questions have no image (no "image" key), the test text lists the options
+    opts = "A. red\nB. blue\nAnswer with the option's letter from the given choices directly."
+    strain = [{"id": f"s{n}", **({"image": f"vqa/{c}0.jpg"} if n % 2 == 0 else {}), "conversations": [
+        {"from": "human", "value": ("<image>\n" if n % 2 == 0 else "") + f"Which colour is warm?\n{opts}"},
+        {"from": "gpt", "value": "A"}]} for n, c in enumerate(("red", "blue", "red", "green"))]
+    stest = [{"question_id": f"sq{n}", **({"image": f"vqa/{c}1.jpg"} if n != 1 else {}),
+              "text": f"Which colour is warm?\n{opts}", "answer": "A"} for n, c in enumerate(("red", "blue", "green"))]
+    # VizWiz: CoIN's val.json questions; the VizWiz release's val.json annotations (no question_id) beside
+    vq = "What colour is this?\nWhen the provided information is insufficient, respond with 'Unanswerable'."
+    vtrain = [dict(r, id=f"v{n}") for n, r in enumerate(train)]
+    vval = [{"question_id": 7 + n, "image": f"vqa/{c}2.jpg", "text": vq, "answer": c} for n, c in enumerate(("red", "green"))]
+    vann = [{"image": f"{c}2.jpg", "question": "What colour is this?", "answerable": 1, "answer_type": "other",
+             "answers": [{"answer": c, "answer_confidence": "yes"}] * 8 + [{"answer": "dark", "answer_confidence": "maybe"}] * 2}
+            for c in ("green", "red")]
+    for task, (tr, te, test_file) in {"TextVQA": (train, test, "val"), "Grounding": (gtrain, gtest, "test"),
+                                      "ScienceQA": (strain, stest, "test"), "VizWiz": (vtrain, vval, "val")}.items():
+        (root / "Instructions_Original" / task).mkdir(parents=True, exist_ok=True)
+        (root / "Instructions_Original" / task / "train.json").write_text(json.dumps(tr))
+        (root / "Instructions_Original" / task / f"{test_file}.json").write_text(json.dumps(te))
     (root / "TextVQA_val.json").write_text(json.dumps(ann))
+    (root / "vizwiz_val_annotations.json").write_text(json.dumps(vann))
     return root
+
+
+def llava_mix_raw(root):
+    """Records as llava_v1_5_mix665k.json has them: single- and multi-turn conversations over images in
+    LLaVA's playground/data folders, ShareGPT conversations without an image, an id used twice."""
+    from PIL import Image
+
+    (root / "coco" / "train2017").mkdir(parents=True, exist_ok=True)
+    (root / "gqa" / "images").mkdir(parents=True, exist_ok=True)
+    for n in range(6):
+        Image.new("RGB", (32, 32), (40 * n, 200 - 30 * n, 90)).save(root / "coco" / "train2017" / f"{n:012d}.jpg")
+    Image.new("RGB", (32, 32), (10, 20, 30)).save(root / "gqa" / "images" / "n1.jpg")
+    recs = []
+    for n in range(6):
+        conv = [{"from": "human", "value": "<image>\nWhat colour is the image?"}, {"from": "gpt", "value": "a colour"},
+                {"from": "human", "value": "Is it bright?"}, {"from": "gpt", "value": "yes" if n % 2 else "no"},
+                {"from": "human", "value": "Describe it in one word."}, {"from": "gpt", "value": "square"}][: 2 + 2 * (n % 3)]
+        recs.append({"id": f"{n:012d}", "image": f"coco/train2017/{n:012d}.jpg", "conversations": conv})
+    recs.append({"id": "n1", "image": "gqa/images/n1.jpg", "conversations": [
+        {"from": "human", "value": "Is the image dark?\n<image>"}, {"from": "gpt", "value": "Yes"}]})
+    for n in range(3):
+        recs.append({"id": f"sharegpt_{n}", "model": "", "conversations": [
+            {"from": "human", "value": f"Count to {n + 2}."}, {"from": "gpt", "value": " ".join(str(i + 1) for i in range(n + 2))},
+            {"from": "human", "value": "And back?"}, {"from": "gpt", "value": " ".join(str(i + 1) for i in range(n + 2))[::-1]}]})
+    recs.append(dict(recs[0]))  # ids repeat in the real mix
+    (root / "llava_v1_5_mix665k.json").write_text(json.dumps(recs))
+    return root / "llava_v1_5_mix665k.json"
+
+
+def ucit_json_raw(root, images):
+    """MCITlib's UCIT tree for a captioning task: <UCIT>/VizWiz/{train,test}.json (VizWiz-caption), images
+    under <UCIT>/datasets; the test records carry every reference caption."""
+    import shutil
+
+    folder = root / "UCIT" / "VizWiz"
+    folder.mkdir(parents=True)
+    shutil.copytree(images, root / "UCIT" / "datasets")
+    q = "<image>\nGenerate a brief caption for the image."
+    caps = {"red": ["a red square", "a square that is red"], "green": ["a green square", "green colour"],
+            "blue": ["a blue square", "a square of blue"]}
+    train = [{"id": f"c{c}{i}", "image": f"vqa/{c}{i}.jpg", "conversations": [
+        {"from": "human", "value": q}, {"from": "gpt", "value": caps[c][0]}]} for c in caps for i in range(2)]
+    test = [{"question_id": f"ct{c}", "image": f"vqa/{c}2.jpg", "text": q.split("\n", 1)[1], "answer": caps[c][0],
+             "answers": caps[c]} for c in caps]
+    (folder / "train.json").write_text(json.dumps(train))
+    (folder / "test.json").write_text(json.dumps(test))
+    return root / "UCIT"
 
 
 def ucit_parquet(root):
@@ -168,13 +231,23 @@ def ucit_parquet(root):
 
 
 def convert_instruction_sets(tmp_path) -> dict[str, object]:
-    """CoIN (TextVQA with an annotation file, Grounding), UCIT (parquet train, saved-dataset test) and a
-    bare arrow file through their converters; every conversion must succeed. Returns the raw and output
-    folders by name."""
+    """CoIN (TextVQA with an annotation file, Grounding, ScienceQA with text-only questions, VizWiz joined
+    by image), UCIT (parquet train, saved-dataset test; a JSON captioning task), a bare arrow file and a
+    seeded sample of a mix665k-shaped file through their converters; every conversion must succeed.
+    Returns the raw and output folders by name."""
     raw = coin_raw(tmp_path / "coin_raw")
-    r = convert("coin", "--instructions", raw / "Instructions", "--images", raw / "images", "--task", "textvqa",
-                "grounding", "--annotations", f"textvqa={raw / 'TextVQA_val.json'}", "--out", tmp_path / "coin",
-                "--shard-size", 2, "--workers", 2)
+    r = convert("coin", "--instructions", raw / "Instructions_Original", "--images", raw / "images", "--task", "textvqa",
+                "grounding", "scienceqa", "vizwiz", "--annotations", f"textvqa={raw / 'TextVQA_val.json'}",
+                f"vizwiz={raw / 'vizwiz_val_annotations.json'}", "--out", tmp_path / "coin", "--shard-size", 2,
+                "--workers", 2)
+    assert r.returncode == 0, r.stderr
+    mix = llava_mix_raw(tmp_path / "llava_data")
+    r = convert("llava_mix", "--json", mix, "--images", tmp_path / "llava_data", "--out", tmp_path / "mix_sample",
+                "--sample", 8, "--seed", 0)
+    assert r.returncode == 0, r.stderr
+    uj = ucit_json_raw(tmp_path / "ucit_json_raw", raw / "images")
+    r = convert("ucit", "--instructions", uj, "--images", uj / "datasets", "--task", "vizwiz_caption", "--out",
+                tmp_path / "ucit_json")
     assert r.returncode == 0, r.stderr
     ucit = ucit_parquet(tmp_path / "ucit_raw")
     r = convert("ucit", "--instructions", ucit, "--task", "arxivqa", "--out", tmp_path / "ucit")
@@ -183,4 +256,5 @@ def convert_instruction_sets(tmp_path) -> dict[str, object]:
     r = convert("llava_json", "--json", arrow, "--out", tmp_path / "arrow_split", "--scorer", "multiple_choice")
     assert r.returncode == 0, r.stderr
     return {"coin_raw": raw, "coin": tmp_path / "coin", "ucit_raw": ucit, "ucit": tmp_path / "ucit",
-            "arrow_split": tmp_path / "arrow_split"}
+            "arrow_split": tmp_path / "arrow_split", "mix_raw": mix, "mix_sample": tmp_path / "mix_sample",
+            "ucit_json": tmp_path / "ucit_json"}

@@ -7,11 +7,14 @@ A sample in a shard is ``<key>.<png|jpg|jpeg>`` (the image bytes, unchanged) and
      "box": [x0, y0, x1, y1],              # optional: grounding reference
      "id": "...",                          # optional: the source record's id (data_prep writes it; CoIN's
                                            #   answer files carry it as question_id)
-     "choices": ["...", ...]}              # optional: a multiple-choice question's options (their count scores)
+     "choices": ["...", ...],              # optional: a multiple-choice question's options (their count scores)
+     "text_only": true}                    # a question without an image (CoIN ScienceQA, LLaVA's text
+                                           #   conversations): the sample then has no image file
 
 The manifest of an instruction split has ``"kind": "instruction"``, an empty ``label_space`` and the
-task's default ``"scorer"`` (see mcit.scorers). Multi-turn conversations are cut into one sample per
-(human, gpt) turn by the converters (data_prep.instruction_sets).
+task's default ``"scorer"`` (see mcit.scorers). A multi-turn conversation is one sample: training
+learns every answer with the turns before it as history (as LLaVA trains), evaluation answers the last
+question after the others and their answers (``answers``, ``box``, ``choices`` refer to that question).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import Any
 from mcit.data.shards import DataError, write_split
 
 IMAGE_EXTS = ("png", "jpg", "jpeg")
-RECORD_KEYS = ("conversations", "answers", "box", "id", "choices")
+RECORD_KEYS = ("conversations", "answers", "box", "id", "choices", "text_only")
 
 
 def write_instruction_split(directory: Path, samples: list[dict[str, Any]], *, shard_size: int,
@@ -56,7 +59,8 @@ def turns(conversations: list[dict[str, str]], where: str) -> list[tuple[str, st
 
 
 def decode_instruction(sample: dict) -> tuple[Any, dict[str, Any], str]:
-    """(PIL RGB image, {"question", "answer", "answers", "box"?, "question_id"?, "choices"?}, key) of a raw
+    """(PIL RGB image or None for a text-only sample, {"turns": [(question, answer), ...], "question",
+    "answer" (the last turn's), "answers", "box"?, "question_id"?, "choices"?, "text_only"?}, key) of a raw
     shard sample."""
     from PIL import Image
 
@@ -64,15 +68,18 @@ def decode_instruction(sample: dict) -> tuple[Any, dict[str, Any], str]:
     where = f"sample {key} in {sample.get('__url__', '?')}"
     try:
         rec = json.loads(sample["json"])
-        data = next(sample[e] for e in IMAGE_EXTS if e in sample)
-        image = Image.open(io.BytesIO(data)).convert("RGB")
-    except StopIteration:
-        raise DataError(f"{where}: no image (expected one of {', '.join(IMAGE_EXTS)})") from None
+        data = next((sample[e] for e in IMAGE_EXTS if e in sample), None)
+        if data is None and not rec.get("text_only"):
+            raise DataError(f"{where}: no image (expected one of {', '.join(IMAGE_EXTS)}, or \"text_only\": true)")
+        image = None if data is None else Image.open(io.BytesIO(data)).convert("RGB")
+    except DataError:
+        raise
     except Exception as e:  # noqa: BLE001 - any decoding failure names the sample
         raise DataError(f"{where}: cannot decode ({e.__class__.__name__}: {e})") from None
-    question, answer = turns(rec.get("conversations"), where)[0]
-    out = {"question": question, "answer": answer, "answers": rec.get("answers") or [answer]}
-    for k in ("box", "choices"):
+    pairs = turns(rec.get("conversations"), where)
+    question, answer = pairs[-1]
+    out: dict[str, Any] = {"turns": pairs, "question": question, "answer": answer, "answers": rec.get("answers") or [answer]}
+    for k in ("box", "choices", "text_only"):
         if k in rec:
             out[k] = rec[k]
     if "id" in rec:

@@ -65,7 +65,7 @@ class MLLMBackbone(Backbone):
     ``InstructBlipBackbone``, ``Qwen2VLBackbone`` below), each naming its transformers class."""
 
     task_type = "generation"
-    load_options = ("quantization", "max_length")
+    load_options = ("quantization", "max_length", "chat_format")
     hub_ids = True
     model_kind: str = "llava"  # the MODEL_CLASSES key ``from_path`` loads
 
@@ -79,8 +79,12 @@ class MLLMBackbone(Backbone):
                    "instructblip": ("lm_head", ".*vision_model", ".*qformer", ".*language_projection"),
                    "qwen2_vl": ("lm_head", ".*visual")}
 
-    def __init__(self, model: nn.Module, processor: Any, max_length: int = 2048) -> None:
+    def __init__(self, model: nn.Module, processor: Any, max_length: int = 2048, chat_format: str = "processor") -> None:
         super().__init__()
+        from mcit.models.chat import CHAT_FORMATS
+
+        if chat_format not in CHAT_FORMATS:
+            raise BackboneError(f"backbone.chat_format: unknown format {chat_format!r}; known: {', '.join(CHAT_FORMATS)}")
         kinds = {v: k for k, v in self.MODEL_CLASSES.items()}
         if type(model).__name__ not in kinds:
             raise BackboneError(f"unsupported multimodal model class {type(model).__name__}; "
@@ -93,6 +97,7 @@ class MLLMBackbone(Backbone):
         self.processor = processor
         self.tokenizer = processor.tokenizer if processor is not None else None  # None: shapes-only use
         self.max_length = max_length
+        self.chat_format = chat_format
         for p in self.model.parameters():
             p.requires_grad_(False)
         self.model.eval()
@@ -111,7 +116,7 @@ class MLLMBackbone(Backbone):
 
     @classmethod
     def from_path(cls, path: str, dtype: torch.dtype = torch.float32, quantization: str = "none",
-                  max_length: int = 2048) -> "MLLMBackbone":
+                  max_length: int = 2048, chat_format: str = "processor") -> "MLLMBackbone":
         import transformers
         from transformers import AutoProcessor
 
@@ -132,7 +137,7 @@ class MLLMBackbone(Backbone):
             model = model_cls.from_pretrained(path, **kwargs)
         except Exception as e:  # noqa: BLE001 - one line naming the path
             raise BackboneError(f"cannot load {kind} backbone from {path}: {str(e).splitlines()[0]}") from None
-        return cls(model, processor, max_length)
+        return cls(model, processor, max_length, chat_format)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -157,54 +162,98 @@ class MLLMBackbone(Backbone):
         return self.model.language_model if self.kind == "instructblip" else self.model
 
     # -- data -----------------------------------------------------------------------------------
-    def prompt_text(self, question: str) -> str:
-        """The user turn through the checkpoint's chat template, ending where the answer starts."""
-        q = question.replace("<image>", "").strip()
-        if getattr(self.processor, "chat_template", None) is None:  # InstructBLIP: the instruction itself
-            return q
-        msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": q}]}]
-        return self.processor.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    def render(self, turns: list[tuple[str, str]], *, train: bool, has_image: bool) -> Any:
+        """A sample's conversation in ``chat_format`` (mcit.models.chat), ending where the model answers
+        when ``train`` is False."""
+        from mcit.models import chat
 
-    def answer_ids(self, answer: str) -> list[int]:
-        ids = self.tokenizer(" " + answer.strip(), add_special_tokens=False)["input_ids"]
-        return list(ids) + [int(self.tokenizer.eos_token_id)]
+        eos = self.tokenizer.eos_token
+        if self.chat_format == "vicuna_v1":
+            return chat.render_vicuna_v1(turns, train=train, has_image=has_image, eos=eos)
+        if getattr(self.processor, "chat_template", None) is None:  # InstructBLIP: LAVIS' plain instruction
+            return chat.render_plain(turns, train=train, eos=eos)
+        ends = [t for t in (eos, "<|im_end|>", "<|eot_id|>", "<|end|>") if t]
+        return chat.render_template(self.processor, turns, train=train, has_image=has_image, end_tokens=ends)
+
+    def encode(self, turns: list[tuple[str, str]], image: Any, *, train: bool) -> tuple[list[int], list[int], dict]:
+        """(input ids, labels, the processor's image outputs) of one sample: the image placeholder expanded
+        to the image's tokens, labels -100 outside the answers and their end-of-turn tokens."""
+        from mcit.models import chat
+
+        has_image = image is not None
+        ids, flags = chat.tokenize(self.tokenizer, self.render(turns, train=train, has_image=has_image),
+                                   self.image_token_id)
+        extra: dict[str, Any] = {}
+        n_image = 0
+        if has_image:
+            plain = self.kind == "instructblip"  # the processor puts the query tokens before BOS
+            text = turns[-1][0].replace(chat.IMAGE, "").strip() if plain else self._image_string()
+            extra = dict(self.processor(text=[text], images=[image], return_tensors="pt"))
+            n_image = int((extra["input_ids"][0] == self.image_token_id).sum())
+            if plain:
+                ids, flags = [self.image_token_id] + ids, [False] + flags
+        elif self.kind == "instructblip":
+            extra = dict(self.processor.qformer_tokenizer([turns[-1][0]], return_tensors="pt"))
+            extra = {"qformer_input_ids": extra["input_ids"]}
+        out_ids, labels = [], []
+        for t, f in zip(ids, flags):
+            if t == self.image_token_id:
+                if not has_image:
+                    raise ValueError("an image placeholder in a sample without an image")
+                out_ids += [t] * n_image
+                labels += [-100] * n_image
+            else:
+                out_ids.append(t)
+                labels.append(t if (train and f) else -100)
+        return out_ids, labels, extra
+
+    def _image_string(self) -> str:
+        """What the processor expands into an image's tokens (llava-hf ``<image>``, Qwen ``<|image_pad|>``)."""
+        tok = getattr(self.processor, "image_token", None)
+        return str(getattr(tok, "content", tok) or "<image>")
+
+    def _blank_pixels(self) -> torch.Tensor:
+        """A zero image of the processor's size, for a text-only sample in a batch with images: LLaVA's own
+        training does the same (``torch.zeros(3, crop_size)``) and inserts none of its features."""
+        if getattr(self, "_blank", None) is None:
+            from PIL import Image
+
+            enc = self.processor(text=[self._image_string()], images=[Image.new("RGB", (32, 32))], return_tensors="pt")
+            self._blank = torch.zeros_like(enc["pixel_values"][0])
+        return self._blank
 
     def make_collate(self, split: Any, task: int, *, train: bool, label_index: dict[int, int] | None = None
                      ) -> Callable[[list[dict]], Batch]:
-        """Raw instruction samples -> Batch. Train: right padding, labels on the answer only (-100
-        elsewhere). Eval: the prompt alone, left padding, references in ``meta``."""
+        """Raw instruction samples -> Batch. Train: right padding, labels on the answers (every turn of a
+        multi-turn conversation, with its history) and their end-of-turn tokens, -100 elsewhere. Eval: the
+        prompt up to the last answer, left padding, references in ``meta``. Text-only samples have no image
+        tokens; ``inputs["has_image"]`` says which rows do."""
         from mcit.data.instructions import decode_instruction
 
         pad_id = int(self.tokenizer.pad_token_id)
 
         def collate(samples: list[dict]) -> Batch:
-            ids_list, lab_list, pix, keys, meta = [], [], [], [], []
+            ids_list, lab_list, pix, keys, meta, has = [], [], [], [], [], []
             qf_ids: list[list[int]] = []
             grids: list[torch.Tensor] = []
             for s in samples:
                 image, rec, key = decode_instruction(s)
-                question, answer = rec["question"], rec["answer"]
-                enc = self.processor(text=[self.prompt_text(question)], images=[image], return_tensors="pt")
-                ids = enc["input_ids"][0].tolist()
-                if train:
-                    ans = self.answer_ids(answer)
-                    ids, labels = ids + ans, [-100] * len(ids) + ans
-                else:
-                    labels = [-100] * len(ids)
+                ids, labels, enc = self.encode(rec["turns"], image, train=train)
                 if len(ids) > self.max_length:
                     raise ValueError(f"sample {key} in {getattr(split, 'directory', '?')}: {len(ids)} tokens "
                                      f"> backbone.max_length {self.max_length}")
                 ids_list.append(ids)
                 lab_list.append(labels)
+                has.append(image is not None)
                 if "qformer_input_ids" in enc:
                     qf_ids.append(enc["qformer_input_ids"][0].tolist())
-                if "image_grid_thw" in enc:  # Qwen2-VL: pixel_values are this image's flattened patches
-                    grids.append(enc["image_grid_thw"][0])
-                    pix.append(enc["pixel_values"])
+                if self.kind == "qwen2_vl":  # pixel_values are this image's flattened patches (none: text only)
+                    grids.append(enc["image_grid_thw"][0] if image is not None else torch.zeros(3, dtype=torch.long))
+                    pix.append(enc["pixel_values"] if image is not None else None)
                 else:
-                    pix.append(enc["pixel_values"][0])
+                    pix.append(enc["pixel_values"][0] if image is not None else self._blank_pixels())
                 keys.append(key)
-                meta.append({**rec, "key": key, "answers": rec.get("answers") or [answer]})
+                meta.append({**{k: v for k, v in rec.items() if k != "turns"}, "key": key})
             L = max(len(x) for x in ids_list)
             B = len(ids_list)
             input_ids = torch.full((B, L), pad_id, dtype=torch.long)
@@ -216,7 +265,7 @@ class MLLMBackbone(Backbone):
                 input_ids[i, sl] = torch.tensor(ids)
                 attn[i, sl] = 1
                 labels[i, sl] = torch.tensor(lab)
-            inputs = {"input_ids": input_ids, "attention_mask": attn}
+            inputs = {"input_ids": input_ids, "attention_mask": attn, "has_image": torch.tensor(has)}
             if qf_ids:  # the Q-Former's own copy of the instruction (InstructBLIP)
                 Lq = max(len(x) for x in qf_ids)
                 qf = torch.zeros(B, Lq, dtype=torch.long)
@@ -225,29 +274,41 @@ class MLLMBackbone(Backbone):
                     qf[i, : len(x)] = torch.tensor(x)
                     qm[i, : len(x)] = 1
                 inputs.update(qformer_input_ids=qf, qformer_attention_mask=qm)
-            if grids:  # patches padded to the longest image; image_grid_thw says how many are real
-                n = max(p.shape[0] for p in pix)
-                pix = [torch.cat([p, p.new_zeros(n - p.shape[0], p.shape[1])]) for p in pix]
-                inputs["image_grid_thw"] = torch.stack(grids)
+            if self.kind == "qwen2_vl":  # patches padded to the longest image; image_grid_thw says how many are real
+                width = next((p.shape[1] for p in pix if p is not None), 1)
+                n = max((p.shape[0] for p in pix if p is not None), default=1)
+                pix = [torch.zeros(n, width) if p is None else torch.cat([p, p.new_zeros(n - p.shape[0], width)])
+                       for p in pix]
+                inputs["image_grid_thw"] = torch.stack(grids)  # a text-only row's grid is 0 x 0 x 0
             return Batch(torch.stack(pix), labels, torch.ones(B), task, keys, inputs=inputs, meta=meta)
 
         return collate
 
     # -- compute --------------------------------------------------------------------------------
     def _vision(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(image features in the LLM's space (B, N, d), pooled vision feature (B, dv)), one tower pass."""
+        """(image features in the LLM's space of the rows with an image (n, N, d), pooled vision feature of
+        every row (B, dv)), one tower pass. Text-only rows: LLaVA and InstructBLIP run their zero image
+        through the tower as LLaVA's training does (its features are inserted nowhere); Qwen2-VL has no
+        patches for them and their pooled feature is zero."""
         cfg = self.model.config
         pixel_values = batch.pixel_values
+        has = batch.inputs.get("has_image")
+        has = torch.ones(pixel_values.shape[0], dtype=torch.bool, device=pixel_values.device) if has is None else has
         if self.kind == "qwen2_vl":
-            grid = batch.inputs["image_grid_thw"]
+            rows = has.nonzero().flatten().tolist()
+            grid = batch.inputs["image_grid_thw"][has]
+            pooled = pixel_values.new_zeros(pixel_values.shape[0], self.image_query_dim, dtype=self.dtype)
+            if not rows:
+                return pooled.new_zeros(0, 1, self.hidden_size), pooled
             counts = grid.prod(-1).tolist()
-            flat = torch.cat([pixel_values[i, :c] for i, c in enumerate(counts)]).to(self.dtype)
+            flat = torch.cat([pixel_values[i, :c] for i, c in zip(rows, counts)]).to(self.dtype)
             parts = self.model.model.get_image_features(flat, grid, return_dict=True).pooler_output
-            return torch.cat(list(parts)), torch.stack([p.mean(0) for p in parts])
+            pooled[rows] = torch.stack([p.mean(0) for p in parts]).to(pooled.dtype)
+            return torch.cat(list(parts)), pooled
         if self.kind == "instructblip":
             out = self.model.get_image_features(pixel_values.to(self.dtype), batch.inputs["qformer_input_ids"],
                                                 batch.inputs["qformer_attention_mask"], return_dict=True)
-            return out.pooler_output, out.vision_outputs.pooler_output
+            return out.pooler_output[has], out.vision_outputs.pooler_output
         tower = self.model.model.vision_tower
         out = tower(pixel_values.to(self.dtype), output_hidden_states=True)
         layer = cfg.vision_feature_layer
@@ -259,7 +320,7 @@ class MLLMBackbone(Backbone):
         else:  # several layers: defer to transformers' own implementation
             feats = torch.stack(list(self.model.model.get_image_features(pixel_values=pixel_values.to(self.dtype),
                                                                           return_dict=True).pooler_output))
-        return feats, out.pooler_output
+        return feats[has], out.pooler_output
 
     @torch.no_grad()
     def input_embeddings(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -291,8 +352,11 @@ class MLLMBackbone(Backbone):
         if self.kind != "qwen2_vl":
             return None
         ids = batch.inputs["input_ids"]
+        grid = batch.inputs["image_grid_thw"]
+        has = batch.inputs.get("has_image")
+        grid = grid if has is None else grid[has]
         pos, _ = self.model.model.get_rope_index(ids, (ids == self.image_token_id).int(),
-                                                 image_grid_thw=batch.inputs["image_grid_thw"],
+                                                 image_grid_thw=grid if len(grid) else None,
                                                  attention_mask=batch.inputs["attention_mask"])
         return pos
 

@@ -128,17 +128,21 @@ def build_instructblip(tokenizer: Any, *, image_size: int = 32, patch_size: int 
 
 
 def build_qwen2_vl(tokenizer: Any, *, image_size: int = 32, patch_size: int = 4, text_hidden: int = 64,
-                   seed: int = 0) -> tuple[Any, Any]:
+                   seed: int = 0, image_token: str = SPECIAL["image"], vision_start: str | None = None,
+                   chat_template: str = CHAT_TEMPLATE) -> tuple[Any, Any]:
     """A tiny Qwen2-VL (its ViT with 2x2 patch merging and an M-RoPE LLM) from config classes, with the
     real Qwen2-VL image processor. Its processor is mcit's ImageTokenProcessor: transformers'
-    Qwen2VLProcessor cannot be built without torchvision (its video processor needs it)."""
+    Qwen2VLProcessor cannot be built without torchvision (its video processor needs it). ``image_token``,
+    ``vision_start`` and ``chat_template``: Qwen's own (``<|image_pad|>``, ``<|vision_start|>``, its
+    template) where the tokenizer has them; the demo's word-level tokenizer uses LLaVA's."""
     import torch
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
     from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
 
     from mcit.models.mllm import ImageTokenProcessor
 
-    image_token = tokenizer.convert_tokens_to_ids(SPECIAL["image"])
+    image_token_id = tokenizer.convert_tokens_to_ids(image_token)
+    start = tokenizer.convert_tokens_to_ids(vision_start) if vision_start else tokenizer.bos_token_id
     cfg = Qwen2VLConfig(
         vision_config={"depth": 2, "embed_dim": 32, "hidden_size": text_hidden, "num_heads": 2, "mlp_ratio": 2,
                        "patch_size": patch_size, "spatial_merge_size": 2, "temporal_patch_size": 2},
@@ -147,7 +151,7 @@ def build_qwen2_vl(tokenizer: Any, *, image_size: int = 32, patch_size: int = 4,
                      "max_position_embeddings": 256, "pad_token_id": tokenizer.pad_token_id,
                      "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
                      "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 1e4}},
-        image_token_id=image_token, video_token_id=tokenizer.unk_token_id, vision_start_token_id=tokenizer.bos_token_id,
+        image_token_id=image_token_id, video_token_id=tokenizer.unk_token_id, vision_start_token_id=start,
     )
     torch.manual_seed(seed)
     model = Qwen2VLForConditionalGeneration(cfg)
@@ -155,4 +159,4 @@ def build_qwen2_vl(tokenizer: Any, *, image_size: int = 32, patch_size: int = 4,
     image_processor = Qwen2VLImageProcessorPil(patch_size=patch_size, merge_size=2, temporal_patch_size=2,
                                                min_pixels=pixels, max_pixels=pixels, image_mean=[0.5] * 3,
                                                image_std=[0.5] * 3)
-    return model, ImageTokenProcessor(tokenizer, image_processor, CHAT_TEMPLATE)
+    return model, ImageTokenProcessor(tokenizer, image_processor, chat_template)

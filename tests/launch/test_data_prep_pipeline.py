@@ -46,16 +46,29 @@ def test_converted_image_folder_benchmarks_train(assets, tmp_path):
 
 
 def test_converted_instruction_sets_train(mcit_assets, tmp_path):
+    """One task of each public layout trains and is scored through the pipeline, with LLaVA-1.5's vicuna_v1
+    conversation: CoIN ScienceQA (text-only questions beside image ones), TextVQA (annotation file), VizWiz
+    (joined by image), UCIT ArxivQA (parquet / saved dataset) and VizWiz-caption (MCITlib's caption metrics),
+    Fwd-Prompt's pre-trained space from a seeded mix665k sample (multi-turn and text-only conversations)."""
     out = convert_instruction_sets(tmp_path)
     coin, ucit = out["coin"], out["ucit"]
+    names = {"scienceqa": coin, "textvqa": coin, "vizwiz": coin, "arxivqa": ucit, "vizwiz_caption": out["ucit_json"]}
     cfg = mcit_config(mcit_assets, tmp_path, "real_formats", data={"tasks": [
-        {"name": "textvqa", "train": str(coin / "textvqa" / "train"), "test": str(coin / "textvqa" / "test")},
-        {"name": "grounding", "train": str(coin / "grounding" / "train"), "test": str(coin / "grounding" / "test")},
-        {"name": "arxivqa", "train": str(ucit / "arxivqa" / "train"), "test": str(ucit / "arxivqa" / "test")}],
-        "reference": str(mcit_assets["shards"] / "base" / "test")},
+        {"name": n, "train": str(root / n / "train"), "test": str(root / n / "test")} for n, root in names.items()],
+        "reference": str(out["mix_sample"] / "train")},
+        backbone={"chat_format": "vicuna_v1"},
         train={"epochs": 1, "batch_size": 4, "lr": 0.05, "checkpoint_every": 2, "log_every": 2, "progress": False,
-               "deepspeed_config": "deepspeed_configs/cpu.json"})
+               "deepspeed_config": "deepspeed_configs/cpu.json"},
+        eval={"zero_shot": False})
     res = launch(["--config", str(cfg)], launcher="python")
     assert res.returncode == 0, res.stderr[-3000:]
-    m = json.loads((tmp_path / "runs" / "real_formats" / "metrics.json").read_text())
-    assert m["complete"] and m["test_counts"] == [3, 3, 2]
+    run = tmp_path / "runs" / "real_formats"
+    m = json.loads((run / "metrics.json").read_text())
+    assert m["complete"] and m["test_counts"] == [3, 3, 2, 2, 3]
+    assert m["scorers"] == ["coin_scienceqa", "coin_textvqa", "coin_vizwiz", "ucit_accuracy", "ucit_caption"]
+    row = sorted(p for p in (run / "eval" / "answers").iterdir())[-1]
+    sqa = {r["question_id"]: r for r in map(json.loads, (row / "0.jsonl").read_text().splitlines())}
+    assert set(sqa) == {"sq0", "sq1", "sq2"} and "<image>" not in sqa["sq1"]["prompt"]  # the text-only question
+    cap = json.loads((row / "4.metrics.json").read_text())
+    assert cap["scorer"] == "ucit_caption" and set(cap["metrics"]) >= {"CIDEr", "Bleu_4", "METEOR", "ROUGE_L"}
+    assert abs(m["acc_matrix"][-1][4] - 100 * cap["score"]) < 1e-6

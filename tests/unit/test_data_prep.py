@@ -10,7 +10,7 @@ import pytest
 
 from mcit.data.shards import DataError, open_split
 from raw_formats import (N_CLASSES, cifar_raw, coin_raw, convert, convert_instruction_sets, cub_raw, domainnet_raw,
-                         imagenet_r_raw)
+                         imagenet_r_raw, llava_mix_raw)
 
 
 def test_cifar100_converts_verifies_and_orders_reproducibly(tmp_path):
@@ -242,10 +242,10 @@ def test_coin_test_split_is_the_file_its_evaluation_reads(tmp_path):
     from mcit.data.shards import iter_samples
 
     raw = coin_raw(tmp_path / "coin_raw")
-    tv = raw / "Instructions" / "TextVQA"
+    tv = raw / "Instructions_Original" / "TextVQA"
     decoy = [dict(r, answer="decoy") for r in json.loads((tv / "val.json").read_text())]
     (tv / "test.json").write_text(json.dumps(decoy))
-    r = convert("coin", "--instructions", raw / "Instructions", "--images", raw / "images", "--task", "textvqa",
+    r = convert("coin", "--instructions", raw / "Instructions_Original", "--images", raw / "images", "--task", "textvqa",
                 "grounding", "--out", tmp_path / "coin")
     assert r.returncode == 0, r.stderr
     test = open_split(tmp_path / "coin" / "textvqa" / "test")
@@ -261,19 +261,12 @@ def test_vizwiz_annotations_join_by_image(tmp_path):
     from mcit.data.instructions import decode_instruction
     from mcit.data.shards import iter_samples
 
-    raw = coin_raw(tmp_path / "coin_raw")
-    viz = raw / "Instructions" / "VizWiz"
-    viz.mkdir()
-    q = "What colour is this?\nWhen the provided information is insufficient, respond with 'Unanswerable'."
-    (viz / "train.json").write_text((raw / "Instructions" / "TextVQA" / "train.json").read_text())
-    val = [{"question_id": 7 + n, "image": f"vqa/{c}2.jpg", "text": q, "answer": c}
-           for n, c in enumerate(("red", "green"))]
-    (viz / "val.json").write_text(json.dumps(val))
-    ann = [{"image": f"{c}2.jpg", "question": "What colour is this?", "answerable": 1, "answer_type": "other",
-            "answers": [{"answer": c, "answer_confidence": "yes"}] * 8 + [{"answer": "dark", "answer_confidence": "maybe"}] * 2}
-           for c in ("green", "red")]
-    (raw / "vizwiz_val_annotations.json").write_text(json.dumps(ann))
-    args = ["--instructions", raw / "Instructions", "--images", raw / "images", "--task", "vizwiz", "--annotations",
+    raw = coin_raw(tmp_path / "coin_raw")  # VizWiz/val.json and vizwiz_val_annotations.json as described
+    viz = raw / "Instructions_Original" / "VizWiz"
+    val = json.loads((viz / "val.json").read_text())
+    q = val[0]["text"]
+    ann = json.loads((raw / "vizwiz_val_annotations.json").read_text())
+    args = ["--instructions", raw / "Instructions_Original", "--images", raw / "images", "--task", "vizwiz", "--annotations",
             f"vizwiz={raw / 'vizwiz_val_annotations.json'}"]
     r = convert("coin", *args, "--out", tmp_path / "o1")
     assert r.returncode == 0, r.stderr
@@ -295,8 +288,8 @@ def test_ucit_reads_mcitlib_folder_names(tmp_path):
     raw = coin_raw(tmp_path / "coin_raw")
     ucit = tmp_path / "UCIT"
     (ucit / "VizWiz").mkdir(parents=True)
-    (ucit / "VizWiz" / "train.json").write_text((raw / "Instructions" / "TextVQA" / "train.json").read_text())
-    (ucit / "VizWiz" / "test.json").write_text((raw / "Instructions" / "TextVQA" / "val.json").read_text())
+    (ucit / "VizWiz" / "train.json").write_text((raw / "Instructions_Original" / "TextVQA" / "train.json").read_text())
+    (ucit / "VizWiz" / "test.json").write_text((raw / "Instructions_Original" / "TextVQA" / "val.json").read_text())
     r = convert("ucit", "--instructions", ucit, "--images", raw / "images", "--task", "vizwiz_caption", "--out",
                 tmp_path / "ucit_out")
     assert r.returncode == 0, r.stderr
@@ -305,8 +298,8 @@ def test_ucit_reads_mcitlib_folder_names(tmp_path):
 
 def test_bad_instruction_inputs_name_the_record_and_file(tmp_path):
     raw = coin_raw(tmp_path / "coin_raw")
-    tv = raw / "Instructions" / "TextVQA"
-    args = ["--instructions", raw / "Instructions", "--images", raw / "images", "--task", "textvqa"]
+    tv = raw / "Instructions_Original" / "TextVQA"
+    args = ["--instructions", raw / "Instructions_Original", "--images", raw / "images", "--task", "textvqa"]
     test = json.loads((tv / "val.json").read_text())
 
     def run(out, *extra):
@@ -377,3 +370,51 @@ def test_embedded_backbone_bytes_do_not_depend_on_the_thread_count(tmp_path):
         torch.set_num_threads(before)
     assert digests[0] == digests[1]
     assert info["environment"]["threads"] == 1 and info["environment"]["torch"] == torch.__version__
+
+
+def test_text_only_and_multi_turn_records_are_kept(tmp_path):
+    """CoIN's ScienceQA questions without an image stay in both splits, marked text_only and stored without an
+    image (with --on-error skip as well: nothing is skipped); a mix665k-shaped file's multi-turn conversations
+    stay one sample each with every turn, its ShareGPT records are text-only, and --sample draws the same
+    records for the same seed (file order, keyed by position: the mix repeats ids)."""
+    from mcit.data.instructions import decode_instruction
+    from mcit.data.shards import iter_samples
+
+    raw = coin_raw(tmp_path / "coin_raw")
+    for n, policy in enumerate(("fail", "skip")):
+        r = convert("coin", "--instructions", raw / "Instructions_Original", "--images", raw / "images", "--task",
+                    "scienceqa", "--on-error", policy, "--out", tmp_path / f"coin{n}")
+        assert r.returncode == 0, r.stderr
+        test = open_split(tmp_path / f"coin{n}" / "scienceqa" / "test")
+        assert test.num_samples == 3 and test.manifest["source_skipped"] == 0
+        samples = {s["__key__"]: s for s in iter_samples(test, 0, 1, policy="sample")}
+        assert "png" not in samples["sq1"] and "jpg" not in samples["sq1"]
+        image, rec, _ = decode_instruction(samples["sq1"])
+        assert image is None and rec["text_only"] and "<image>" not in rec["question"]
+        image, rec, _ = decode_instruction(samples["sq0"])
+        assert image is not None and "text_only" not in rec and rec["question"].startswith("<image>\n")
+        assert open_split(tmp_path / f"coin{n}" / "scienceqa" / "train").num_samples == 4
+    assert convert("coin", "--verify", tmp_path / "coin0").returncode == 0
+
+    mix = llava_mix_raw(tmp_path / "data")
+    outs = []
+    for n, seed in enumerate((0, 0, 1)):
+        r = convert("llava_mix", "--json", mix, "--images", tmp_path / "data", "--out", tmp_path / f"mix{n}",
+                    "--sample", 6, "--seed", seed)
+        assert r.returncode == 0, r.stderr
+        split = open_split(tmp_path / f"mix{n}" / "train")
+        assert split.manifest["sample"] == {"size": 6, "seed": seed, "of": 11}
+        outs.append([s["__key__"] for s in iter_samples(split, 0, 1, policy="sample")])
+    assert outs[0] == outs[1] != outs[2] and len(outs[0]) == 6
+    r = convert("llava_mix", "--json", mix, "--images", tmp_path / "data", "--out", tmp_path / "all", "--sample", 0)
+    assert r.returncode == 0, r.stderr
+    decoded = {k: decode_instruction(s)[:2] for s in iter_samples(open_split(tmp_path / "all" / "train"), 0, 1,
+                                                                     policy="sample") for k in [s["__key__"]]}
+    assert len(decoded) == 11  # the repeated id is a sample of its own
+    image, rec = decoded["0000002_000000000002"]
+    assert len(rec["turns"]) == 3 and rec["turns"][1] == ("Is it bright?", "no") and image is not None
+    image, rec = decoded["0000008_sharegpt_1"]
+    assert image is None and rec["text_only"] and rec["turns"][1][1] == "3 2 1"
+    assert convert("llava_mix", "--verify", tmp_path / "all" / "train").returncode == 0
+    r = convert("llava_mix", "--json", mix, "--images", tmp_path / "data", "--out", tmp_path / "big", "--sample", 99)
+    assert r.returncode == 2 and "holds only 11 records" in r.stderr

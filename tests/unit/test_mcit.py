@@ -70,11 +70,22 @@ def llava(mcit_assets):
 
 def test_collate_trains_on_answer_tokens_only_and_pads_left_to_generate(llava):
     bb, split, samples = llava
+    from mcit.data.instructions import decode_instruction
+
     tr = bb.make_collate(split, 0, train=True)(samples)
+    tok = bb.tokenizer
     for i, meta in enumerate(tr.meta):
         target = tr.labels[i][tr.labels[i] != -100].tolist()
-        assert target == bb.answer_ids(meta["answer"])  # the answer and </s>, nothing of the prompt
+        # the answer and </s>, nothing of the prompt
+        assert target == tok(meta["answer"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         assert tr.inputs["attention_mask"][i, 0] == 1  # right padding
+        # the whole sample is what the checkpoint's own processor makes of its chat template
+        image, rec, _ = decode_instruction(samples[i])
+        msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": rec["question"].replace("<image>", "").strip()}]},
+                {"role": "assistant", "content": [{"type": "text", "text": rec["answer"]}]}]
+        own = bb.processor(text=[bb.processor.apply_chat_template(msgs, tokenize=False)], images=[image])["input_ids"][0]
+        n = int(tr.inputs["attention_mask"][i].sum())
+        assert tr.inputs["input_ids"][i, :n].tolist() == list(own)
     assert int((tr.inputs["input_ids"] == bb.image_token_id).sum()) == len(samples) * bb.model.config.image_seq_length
     ev = bb.make_collate(split, 0, train=False)(samples)
     assert (ev.labels == -100).all() and (ev.inputs["attention_mask"][:, -1] == 1).all()  # left padding
@@ -151,9 +162,10 @@ def test_every_shipped_config_validates():
     for name in names:
         cfg = load_config(ROOT / "configs" / name)
         if cfg.backbone.kind == "llava":
-            from mcit import scorers
+            from mcit import caption_metrics, scorers
 
-            assert all(t.scorer in scorers.SCORERS for t in cfg.data.tasks if not isinstance(t, str) and t.scorer)
+            assert all(t.scorer in scorers.SCORERS or t.scorer in caption_metrics.CORPUS
+                       for t in cfg.data.tasks if not isinstance(t, str) and t.scorer)
 
 
 def test_llava_15_7b_architecture_builds_without_weights():
@@ -188,7 +200,9 @@ def test_llava_json_converter(tmp_path):
     split = open_split(tmp_path / "split")
     assert split.manifest["kind"] == "instruction" and split.manifest["scorer"] == "vqa_accuracy"
     decoded = [decode_instruction(s) for s in iter_samples(split, 0, 1, policy="sample")]
-    assert [(d[1]["question"], d[1]["answer"]) for d in decoded] == [("<image>\nColour?", "red"), ("Shape?", "square")]
+    # one sample per conversation: the history stays; the question scored is the last one
+    assert [d[1]["turns"] for d in decoded] == [[("<image>\nColour?", "red"), ("Shape?", "square")]]
+    assert (decoded[0][1]["question"], decoded[0][1]["answer"]) == ("Shape?", "square")
     assert decoded[0][1]["answers"] == ["red"] * 10 and decoded[0][0].getpixel((0, 0)) == (200, 0, 0)
     items[0]["image"] = "missing.png"
     (tmp_path / "d.json").write_text(json.dumps(items))
