@@ -8,6 +8,9 @@ ZeRO-2, valid-weighted loss). The two paths alternate every few steps to share t
 the median of the per-round paired ratios (target >= 0.95); medians and best rounds are printed too.
 
     python bench/engine_throughput.py [--batch 64] [--steps 60] [--rounds 5] [--ds-config deepspeed_configs/zero2.json]
+    python bench/engine_throughput.py --vit-b16      # ViT-B/16 at 224 px (random weights): the size the papers use
+
+On a CUDA machine both paths run on the GPU (fp32) and the printout adds GPU memory.
 """
 
 from __future__ import annotations
@@ -31,11 +34,14 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--chunk", type=int, default=5, help="steps per path before switching to the other")
     ap.add_argument("--ds-config", default="deepspeed_configs/zero2.json")
+    ap.add_argument("--vit-b16", action="store_true",
+                    help="a randomly initialised ViT-B/16 (224 px, 12 x 768) instead of the tiny pre-trained ViT")
     args = ap.parse_args()
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import torch
+
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
     os.chdir(ROOT)
 
-    import torch
 
     from data_prep.digits import build
     from data_prep.pretrain_vit import pretrain
@@ -48,11 +54,23 @@ def main() -> int:
     from mcit.models.base import load_backbone
     from mcit.registry import METHODS
 
-    cfg = load_config(args.config, [f"train.batch_size={args.batch}", f"train.deepspeed_config={args.ds_config}",
-                                    "train.grad_accum=1"])
+    overrides = [f"train.batch_size={args.batch}", f"train.deepspeed_config={args.ds_config}", "train.grad_accum=1"]
+    tmp = None
+    if args.vit_b16:
+        import tempfile
+
+        from transformers import ViTConfig, ViTModel
+
+        tmp = tempfile.TemporaryDirectory()
+        torch.manual_seed(0)
+        ViTModel(ViTConfig(image_size=224, patch_size=16), add_pooling_layer=False).save_pretrained(tmp.name)
+        overrides.append(f"backbone.path={tmp.name}")
+    cfg = load_config(args.config, overrides)
     build(Path(cfg.data.root))
-    pretrain(Path(cfg.backbone.path))
+    if not args.vit_b16:
+        pretrain(Path(cfg.backbone.path))
     dist.init()
+    device = dist.device()
     backbone = load_backbone("vit", cfg.backbone.path)
     names = [t if isinstance(t, str) else t.name for t in cfg.data.tasks]
     splits = [open_split(Path(cfg.data.root) / n / "train") for n in names]
@@ -60,17 +78,18 @@ def main() -> int:
     data = list(eval_batches(splits[0], rank=0, world=1, batch_size=args.batch, policy="sample",
                              collate=backbone.make_collate(splits[0], 0, train=False,
                                                            label_index=seq.label_to_index())))
-    data = [b for b in data if len(b) == args.batch]
+    data = [b.to(device) for b in data if len(b) == args.batch]
     batches = [data[i % len(data)] for i in range(args.steps)]
 
     def fresh():
         torch.manual_seed(0)
         m = METHODS.get(cfg.method.name)(cfg.method.params(), backbone, seq)
         m.before_task(0)
-        return m
+        return m.to(device)
 
     # Both paths stay alive and alternate every ``--chunk`` steps, so slow phases of a noisy machine
     # hit both alike; each round reports the throughput of its own chunks.
+    backbone.to(device)
     bare_m = fresh().train()
     opt = torch.optim.Adam(bare_m.trainable_parameters(), lr=cfg.train.lr)
     eng, _ = setup_engine(cfg, fresh(), 1)
@@ -86,6 +105,8 @@ def main() -> int:
     def engine_step(b: Batch) -> None:
         train_step(eng, b, scale)
 
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
     for b in batches[:5]:  # warm-up
         bare_step(b)
         engine_step(b)
@@ -97,9 +118,11 @@ def main() -> int:
             t0 = time.perf_counter()
             for b in chunk:
                 bare_step(b)
+            sync()
             t1 = time.perf_counter()
             for b in chunk:
                 engine_step(b)
+            sync()
             t2 = time.perf_counter()
             t_bare += t1 - t0
             t_eng += t2 - t1
@@ -112,7 +135,10 @@ def main() -> int:
     b, e = statistics.median(bare_rates), statistics.median(eng_rates)
     bb, eb = max(bare_rates), max(eng_rates)
     print(f"model: frozen ViT ({backbone.num_layers} layers, hidden {backbone.hidden_size}) + {cfg.method.name}; "
-          f"batch {args.batch}; {args.steps} steps x {args.rounds} rounds; threads {torch.get_num_threads()}")
+          f"batch {args.batch}; {args.steps} steps x {args.rounds} rounds; threads {torch.get_num_threads()}; "
+          f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}")
+    if device.type == "cuda":
+        print(f"peak GPU memory   : {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
     print(f"bare PyTorch loop : {b:8.1f} samples/s (median)")
     print(f"mcit engine ({Path(args.ds_config).stem}): {e:8.1f} samples/s (median)")
     print(f"best of rounds    : bare {bb:.1f}, engine {eb:.1f} samples/s, ratio {eb / bb:.3f}")
@@ -120,6 +146,8 @@ def main() -> int:
     print(f"ratio of medians  : {e / b:.3f}")
     print(f"ratio engine / bare = {paired:.3f}  (median of the per-round paired ratios; target >= 0.95)")
     dist.shutdown()
+    if tmp is not None:
+        tmp.cleanup()
     return 0
 
 

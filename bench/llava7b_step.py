@@ -3,6 +3,15 @@ present one ZeRO-2 bf16 training step of the real-size model (random weights) wi
 
     python bench/llava7b_step.py                     # meta build: parameter counts
     deepspeed --num_gpus 1 bench/llava7b_step.py --steps 5 --batch 4   # on a GPU: + timed steps
+    deepspeed --num_gpus 1 bench/llava7b_step.py --quantization 4bit  # the frozen LLM in nf4 (bitsandbytes)
+
+On a GPU it prints samples/s, tokens/s, peak memory and model FLOPs utilisation (MFU) against
+``--peak-tflops`` (default 989, H100 SXM dense bf16). Model FLOPs count 6 N T for the language model
+(the usual convention, as if every weight had a gradient) plus 2 N T for the vision tower and projector
+(forward only: nothing upstream of them trains); "needed" FLOPs count 4 N T for the frozen LLM
+(activation gradients only, no weight gradients), which is what a frozen-backbone step really computes.
+4-bit: the random model is saved once in bf16 (``--save-dir``) and reloaded through transformers'
+``from_pretrained`` with the project's own ``quantization_config`` (what ``backbone.quantization`` does).
 """
 
 from __future__ import annotations
@@ -24,6 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--text-tokens", type=int, default=64)
     ap.add_argument("--local_rank", type=int, default=0)
+    ap.add_argument("--quantization", default="none", choices=["none", "4bit", "8bit"])
+    ap.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16 peak, for MFU")
+    ap.add_argument("--save-dir", default="/tmp/mcit_llava7b_random", help="where --quantization keeps the bf16 copy")
     args = ap.parse_args(argv)
 
     from mcit.data.types import TaskSequence
@@ -49,14 +61,31 @@ def main(argv: list[str] | None = None) -> int:
     from mcit.config import validate_config
     from mcit.engine import setup_engine, train_step
     from mcit.data.types import Batch
-    from mcit.models.mllm import MLLMBackbone
+    from mcit.models.mllm import MLLMBackbone, quantization_config
 
     dist.init()
     cfg = llava_config("llava-1.5-7b")
     torch.manual_seed(0)
-    with torch.device(dist.device()):
-        model = LlavaForConditionalGeneration(cfg).to(torch.bfloat16)
+    t_build = time.perf_counter()
+    if args.quantization == "none":
+        with torch.device(dist.device()):
+            model = LlavaForConditionalGeneration(cfg).to(torch.bfloat16)
+    else:
+        save = Path(args.save_dir)
+        if not (save / "config.json").exists():
+            with torch.device(dist.device()):
+                LlavaForConditionalGeneration(cfg).to(torch.bfloat16).save_pretrained(str(save))
+            torch.cuda.empty_cache()
+        qc = quantization_config(args.quantization, torch.bfloat16, MLLMBackbone.UNQUANTIZED["llava"])
+        model = LlavaForConditionalGeneration.from_pretrained(str(save), dtype=torch.bfloat16, quantization_config=qc,
+                                                              device_map={"": dist.device()})
+    print(f"model ready ({args.quantization}) in {time.perf_counter() - t_build:.1f} s; weights "
+          f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB on the GPU", flush=True)
     bb = MLLMBackbone(model, None)
+    n_vis = sum(p.numel() for n, p in empty.model.named_parameters()
+                if "vision_tower" in n or "multi_modal_projector" in n)
+    n_lm = sum(p.numel() for n, p in empty.model.named_parameters()
+               if not ("vision_tower" in n or "multi_modal_projector" in n or "embed_tokens" in n))
     run = validate_config({"name": "b", "backbone": {"kind": "llava", "path": "unused"},
                            "data": {"tasks": ["t"], "root": "."}, "method": {"name": args.method},
                            "train": {"batch_size": args.batch, "lr": 0.03, "precision": "bf16",
@@ -78,8 +107,17 @@ def main(argv: list[str] | None = None) -> int:
         train_step(engine, batch, 1.0 / B)
     torch.cuda.synchronize()
     dt = time.perf_counter() - t0
-    print(f"ZeRO-2 bf16 step, batch {B}, {ids.shape[1]} tokens + prompts: {args.steps * B / dt:.2f} samples/s, "
+    t_lm = ids.shape[1] + getattr(method.params, "top_n", 0) * getattr(method.params, "prompt_length", 0)
+    t_vis = (cfg.vision_config.image_size // cfg.vision_config.patch_size) ** 2 + 1
+    model_flops = B * (6 * n_lm * t_lm + 2 * n_vis * t_vis)
+    needed_flops = B * (4 * n_lm * t_lm + 2 * n_vis * t_vis)
+    step_s = dt / args.steps
+    print(f"ZeRO-2 bf16 step ({args.quantization}), batch {B}, {t_lm} LLM tokens per sample (prompts included): "
+          f"{step_s * 1000:.0f} ms/step, {args.steps * B / dt:.2f} samples/s, {args.steps * B * t_lm / dt:,.0f} tokens/s, "
           f"peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB on {torch.cuda.get_device_name()}")
+    print(f"MFU {100 * model_flops / step_s / (args.peak_tflops * 1e12):.1f}% (6NT model FLOPs, "
+          f"{model_flops / step_s / 1e12:.0f} TFLOP/s); needed-FLOPs utilisation "
+          f"{100 * needed_flops / step_s / (args.peak_tflops * 1e12):.1f}% (4NT, frozen LLM) of {args.peak_tflops:.0f} TFLOP/s")
     return 0
 
 

@@ -82,7 +82,7 @@ _VQA_PERIOD_STRIP = re.compile(r"(?!<=\d)(\.)(?!\d)")
 
 
 def _vqa_normalise(text: str) -> str:
-    """vqaEval.py's processPunctuation + processDigitArticle: punctuation deleted outright when the text has
+    r"""vqaEval.py's processPunctuation + processDigitArticle: punctuation deleted outright when the text has
     a space beside it or a digit comma digit, else replaced by a space; full stops not before a digit
     deleted; lower case, number words to digits, articles dropped, contractions restored. Two quirks of
     that code are kept because they decide scores: its full-stop pattern ``(?!<=\d)`` is a look-ahead

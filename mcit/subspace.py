@@ -33,7 +33,7 @@ def energy_basis(cov: torch.Tensor, eps: float, existing: torch.Tensor | None = 
     if existing is not None and existing.shape[1] > 0:
         U = existing.double()
         captured = float(torch.trace(U.T @ cov @ U))
-        R = torch.eye(d, dtype=torch.float64) - U @ U.T
+        R = torch.eye(d, dtype=torch.float64, device=cov.device) - U @ U.T
         res = R @ cov @ R
     else:
         captured, res = 0.0, cov
@@ -43,7 +43,7 @@ def energy_basis(cov: torch.Tensor, eps: float, existing: torch.Tensor | None = 
     vals, vecs = vals.flip(0).clamp_min(0), vecs.flip(1)
     need = eps * total - captured
     csum = torch.cumsum(vals, 0)
-    k = int(torch.searchsorted(csum, torch.tensor(need, dtype=torch.float64)).item()) + 1
+    k = int(torch.searchsorted(csum, torch.tensor(need, dtype=torch.float64, device=csum.device)).item()) + 1
     k = min(k, d - (existing.shape[1] if existing is not None else 0))
     new = vecs[:, :k]
     if existing is not None and existing.shape[1] > 0:  # re-orthogonalise against round-off

@@ -134,7 +134,11 @@ def _write_config(cfg: dict, tmp: Path, name: str, sections: dict) -> Path:
 
 def run_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if os.environ.get("MCIT_TEST_ACCELERATOR", "cpu") == "cpu":  # MCIT_TEST_ACCELERATOR=cuda: launched runs use the GPUs
+        env.update(DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="")
+    else:
+        env["DS_ACCELERATOR"] = os.environ["MCIT_TEST_ACCELERATOR"]
     env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
     for var in ("MCIT_TEST_FAULT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)  # an in-process test may have initialised a process group
@@ -144,7 +148,13 @@ def run_env(**extra: str) -> dict[str, str]:
 
 def launch(args: list[str], launcher: str = "python", nproc: int = 1, timeout: int = 600, entry: Path = ENTRY,
            **env: str) -> subprocess.CompletedProcess:
-    """Run an entry point (default the task-sequence pipeline) under ``python``, ``deepspeed`` or ``torchrun``."""
+    """Run an entry point (default the task-sequence pipeline) under ``python``, ``deepspeed`` or ``torchrun``.
+    Under MCIT_TEST_ACCELERATOR=cuda a run of more ranks than GPUs is skipped (NCCL wants a GPU per rank)."""
+    if os.environ.get("MCIT_TEST_ACCELERATOR", "cpu") == "cuda" and launcher != "python":
+        import torch
+
+        if nproc > torch.cuda.device_count():
+            pytest.skip(f"{nproc} ranks need {nproc} GPUs; this machine has {torch.cuda.device_count()}")
     if launcher == "python":
         cmd = [sys.executable, str(entry)]
     elif launcher == "deepspeed":

@@ -193,6 +193,8 @@ class PromptableImageEncoder(Backbone):
         self.model.set_attn_implementation(ATTENTION_NAME)
         self.register_buffer("mean", torch.tensor(image_mean).view(1, -1, 1, 1), persistent=False)
         self.register_buffer("std", torch.tensor(image_std).view(1, -1, 1, 1), persistent=False)
+        # The collate normalises on the CPU (in loader workers) while the buffers follow the model to the GPU.
+        self._cpu_mean_std = (self.mean.clone(), self.std.clone())
 
     # -- what a subclass provides ------------------------------------------------------------------
     @staticmethod
@@ -244,7 +246,8 @@ class PromptableImageEncoder(Backbone):
                 im = im.resize((self.image_size, self.image_size), self.resample)
             arrs.append(np.asarray(im, dtype=np.float32) / 255.0)
         x = torch.from_numpy(np.stack(arrs)).permute(0, 3, 1, 2)
-        return ((x - self.mean) / self.std).contiguous()
+        mean, std = self._cpu_mean_std
+        return ((x - mean) / std).contiguous()
 
     def make_collate(self, split: Any, task: int, *, train: bool, label_index: dict[int, int]) -> Callable:
         """How raw samples of ``split`` become a Batch (classification: images and class indices)."""

@@ -107,7 +107,7 @@ def render_template(processor: Any, turns: list[tuple[str, str]], *, train: bool
         end = at + len(a)
         for tok in end_tokens:
             if tail[end:].lstrip(" ").startswith(tok):
-                end = len(tail[:end]) + tail[end:].index(tok) + len(tok)
+                end += tail[end:].index(tok) + len(tok)
                 break
         r.pieces.append((prompt[done:], False))
         r.pieces.append((tail[:end], True))

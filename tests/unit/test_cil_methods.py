@@ -568,3 +568,20 @@ def test_soft_tf_trains_only_the_current_tasks_masks_and_infers_task_per_sample(
     batch_rule = m.gradient_id(b, per_sample=False)
     assert per_sample.shape == (16,) and batch_rule.unique().numel() == 1
     assert torch.equal(per_sample[:7], torch.cat([m.gradient_id(b.select(torch.tensor([i]))) for i in range(7)]))
+
+
+def test_collate_normalises_on_the_cpu_after_the_model_moved(backbone):
+    """The collate builds batches on the CPU (in loader workers) after the backbone went to the GPU, so
+    ``preprocess`` must not read the device-side mean / std buffers. Found on an H100: every ViT run stopped
+    at the zero-shot evaluation ("cuda:0 and cpu"). The meta device stands in for the GPU here."""
+    import copy
+
+    from PIL import Image
+
+    ims = [Image.new("RGB", (16, 16), (200, 30, 90)), Image.new("RGB", (20, 20), (0, 255, 10))]
+    ref = backbone.preprocess(ims)
+    moved = copy.deepcopy(backbone).to("meta")
+    assert moved.mean.device.type == "meta"
+    out = moved.preprocess(ims)
+    assert out.device.type == "cpu" and torch.equal(out, ref)
+    assert not torch.equal(ref, backbone.preprocess(ims[::-1]))
