@@ -79,14 +79,21 @@ def records(data: dict, split: str, source: Path, num_classes: int = 100, on_err
 def build(raw: Path, out: Path, *, classes_per_task: int = 10, seed: int = 1993, shard_size: int = 1000,
           workers: int = 1, on_error: str = "fail", progress: bool = True) -> dict:
     meta = load_pickle(raw / "meta")
-    names = [n.decode() if isinstance(n, bytes) else str(n) for n in meta.get("fine_label_names", [])]
-    if not names:
-        raise DataError(f"{raw / 'meta'}: unknown format (no fine_label_names)")
+    listed = meta.get("fine_label_names")
+    if not isinstance(listed, (list, tuple)) or not listed:
+        raise DataError(f"{raw / 'meta'}: unknown format (no 'fine_label_names' list of class names)")
+    names = [n.decode() if isinstance(n, bytes) else str(n) for n in listed]
+    pickles = {s: load_pickle(raw / s) for s in ("train", "test")}
+    for s, data in pickles.items():  # every file's keys before any count is compared
+        for k in ("data", "fine_labels"):
+            if k not in data:
+                raise DataError(f"{raw / s}: unknown format (no {k!r} entry)")
     if classes_per_task < 1 or len(names) % classes_per_task:
-        raise DataError(f"--classes-per-task {classes_per_task} does not divide {len(names)} classes")
+        raise DataError(f"--classes-per-task {classes_per_task} does not divide {len(names)} classes "
+                        f"(the {len(names)} fine_label_names of {raw / 'meta'})")
     splits, skipped = {}, {}
     for s in ("train", "test"):
-        splits[s], skipped[s] = records(load_pickle(raw / s), s, raw / s, len(names), on_error)
+        splits[s], skipped[s] = records(pickles[s], s, raw / s, len(names), on_error)
     return build_cil(out, splits, names, benchmark="cifar100", classes_per_task=classes_per_task, seed=seed,
                      encode=partial(encode, num_classes=len(names)), source_skipped=skipped, shard_size=shard_size,
                      workers=workers, on_error=on_error, progress=progress, extra={"raw_format": "cifar-100-python"})

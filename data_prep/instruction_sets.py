@@ -234,6 +234,9 @@ def _image_ref(item: dict, rid: str, where: Path, images: Path | None) -> tuple[
     if images is None:
         raise RecordError(rid, where, f"image {img!r} is a path but no --images folder was given")
     path = images / str(img)
+    root = images.resolve()
+    if not path.resolve().is_relative_to(root):  # "../x", an absolute path or a link leading outside --images
+        raise RecordError(rid, where, f"image path {img!r} leads outside --images {images}")
     if not path.is_file():  # found before anything is written; unreadable files are found while encoding
         raise RecordError(rid, where, f"image file not found: {path}")
     return "path", str(path)

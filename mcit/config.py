@@ -180,7 +180,7 @@ class MethodConfig(BaseModel):
         except ValidationError as err:
             ie = err.errors()[0]
             loc = ".".join(str(p) for p in ie["loc"])
-            msg = "unknown key" if ie["type"] == "extra_forbidden" else ie["msg"]
+            msg = "unknown key" if ie["type"] == "extra_forbidden" else ie["msg"].removeprefix("Value error, ")
             raise ValueError(f"@{loc}@ {msg}") from None
         return self
 
@@ -209,6 +209,34 @@ class RunConfig(_Strict):
 
 # --------------------------------------------------------------------------------------------------
 # Loading
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (plain PyYAML keeps the last silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} at line {line} (first given at line {seen[key]})",
+                    key_node.start_mark)
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml(text: str) -> Any:
+    """``yaml.safe_load`` that rejects duplicate keys (yaml.YAMLError naming the key and both lines)."""
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+
+
+def yaml_problem(e: yaml.YAMLError) -> str:
+    """The first line of a YAML error, the duplicate-key message kept whole."""
+    problem = getattr(e, "problem", None)
+    if problem and problem.startswith("duplicate key"):
+        return problem
+    return str(e).splitlines()[0]
 
 def parse_override(text: str) -> tuple[list[str], Any]:
     """``a.b.c=value`` -> (["a","b","c"], value parsed as YAML)."""
@@ -260,9 +288,9 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConf
     if not path.is_file():
         raise ConfigError(f"config file not found: {source}")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = load_yaml(path.read_text()) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(f"config error in {source}: not valid YAML ({str(e).splitlines()[0]})") from None
+        raise ConfigError(f"config error in {source}: not valid YAML ({yaml_problem(e)})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config error in {source}: the top level must be a mapping")
     data.setdefault("name", path.stem)
@@ -278,7 +306,8 @@ def validate_config(data: dict, source: str = "<config>") -> RunConfig:
         # MethodConfig's validator encodes the method Params' own key path as "@path@ message".
         m = re.search(r"@(.*?)@ (.*)", e.get("msg", ""))
         if e["loc"] and e["loc"][0] == "method" and m:
-            raise ConfigError(f"config error in {source}: method.{m.group(1)}: {m.group(2)}") from None
+            key = f"method.{m.group(1)}" if m.group(1) else "method"
+            raise ConfigError(f"config error in {source}: {key}: {m.group(2)}") from None
         raise ConfigError(_format_error(source, err)) from None
 
 

@@ -84,6 +84,41 @@ def _resolve_auxiliary(cfg: RunConfig, method_cls: Any) -> dict[str, ResolvedBac
     return out
 
 
+def backbone_depth(backbone: ResolvedBackbone) -> int | None:
+    """The number of blocks a prompted image encoder has, from its checkpoint's config.json (no weights
+    read); None where that is not known here (hub ids, MLLMs, which have no block-indexed method keys)."""
+    from mcit.models.base import PromptableImageEncoder
+
+    path = Path(backbone.directory) / "config.json"
+    if not issubclass(backbone_class(backbone.kind), PromptableImageEncoder) or not path.is_file():
+        return None
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    n = (cfg.get("vision_config") or cfg).get("num_hidden_layers")
+    return int(n) if isinstance(n, int) else None
+
+
+def check_ds_config(ds: dict, path: Path) -> None:
+    """The DeepSpeed JSON (with the run's batch sizes filled in for one process) through DeepSpeed's own
+    config model, so an invalid value stops here, not in deepspeed.initialize on every rank."""
+    from pydantic import ValidationError
+
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    try:
+        DeepSpeedConfig(ds)
+    except ValidationError as err:
+        e = err.errors()[0]
+        loc = ".".join(str(x) for x in e["loc"])
+        raise ConfigError(f"train.deepspeed_config: {path}: {err.title} {loc}: {e['msg']} "
+                          f"(got {e.get('input')!r})") from None
+    except Exception as e:  # noqa: BLE001 - DeepSpeed's own asserts and ValueErrors
+        raise ConfigError(f"train.deepspeed_config: {path}: DeepSpeed rejects it: "
+                          f"{(str(e).splitlines() or [e.__class__.__name__])[0]}") from None
+
+
 def preflight(cfg: RunConfig, base: Path | None = None, *, run_dir: Path | None = None) -> Plan:
     """Validate every input the run will read: DeepSpeed JSON, backbones, every shard, the run directory.
 
@@ -96,9 +131,10 @@ def preflight(cfg: RunConfig, base: Path | None = None, *, run_dir: Path | None 
     if not ds_path.is_file():
         raise ConfigError(f"train.deepspeed_config: file not found: {cfg.train.deepspeed_config}")
     try:
-        build_ds_config(cfg, 1)
+        ds = build_ds_config(cfg, 1)
     except json.JSONDecodeError as e:
         raise ConfigError(f"train.deepspeed_config: {ds_path} is not valid JSON ({e})") from None
+    check_ds_config(ds, ds_path)
     bb = cfg.backbone
     generative = bb.task_type == "generation"
     options = {k: getattr(bb, k) for k in backbone_class(bb.kind).load_options}
@@ -127,6 +163,7 @@ def preflight(cfg: RunConfig, base: Path | None = None, *, run_dir: Path | None 
     method_cls = METHODS.get(cfg.method.name)
     try:
         method_cls.check_inputs(cfg.method.params())
+        cfg.method.params().check_against(backbone_depth(backbone), len(specs))
     except ValueError as e:
         raise ConfigError(str(e)) from None
     auxiliary = _resolve_auxiliary(cfg, method_cls)

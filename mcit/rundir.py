@@ -148,6 +148,10 @@ class RunDir:
     def check_belongs_to(self, cfg: Any) -> None:
         """Refuse to mix two runs: an existing run directory must hold this exact resolved config
         (validated again, so keys added to the schema since it was written take their defaults)."""
+        for parent in [self.root, *self.root.parents]:
+            if parent.exists() and not parent.is_dir():
+                what = "run_dir" if parent == self.root else f"run_dir {self.root}: its parent"
+                raise RunDirError(f"{what} {parent} exists and is not a directory")
         if self.config.is_file() and not self._same_config(cfg):
             raise RunDirError(
                 f"run directory {self.root} holds a run with a different config ({self.config}); "

@@ -21,7 +21,7 @@ _PUNCT = re.compile(r"[;/\[\]\"{}()=+\\_\-><@`,?!*#%^&$~|:]")
 def normalize(text: str) -> str:
     t = text.lower().replace("\n", " ").strip()
     t = _PUNCT.sub(" ", t)
-    t = re.sub(r"(?<!\d)\.(?!\d)", " ", t)  # full stops, not decimal points
+    t = re.sub(r"(?<!\d)\.|\.(?!\d)", " ", t)  # full stops (also "3." at a sentence end), not decimal points
     words = [_NUMBERS.get(w, w) for w in t.split() if w not in _ARTICLES]
     return " ".join(words)
 

@@ -40,7 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from mcit.checkpoint import atomic_write_text
 from mcit.config import ConfigError, RunConfig, dump_config, load_config, parse_override, \
-    validate_config
+    load_yaml, validate_config, yaml_problem
 from mcit.rundir import RunDir
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -166,9 +166,9 @@ def load_spec(path: Path | None, cli: dict[str, Any]) -> SweepSpec:
         if not path.is_file():
             raise ConfigError(f"sweep spec not found: {path}")
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = load_yaml(path.read_text()) or {}
         except yaml.YAMLError as e:
-            raise ConfigError(f"sweep spec {path}: not valid YAML ({str(e).splitlines()[0]})") from None
+            raise ConfigError(f"sweep spec {path}: not valid YAML ({yaml_problem(e)})") from None
         if not isinstance(data, dict):
             raise ConfigError(f"sweep spec {path}: the top level must be a mapping")
     for k, v in cli.items():

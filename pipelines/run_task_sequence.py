@@ -17,6 +17,32 @@ def _is_rank0() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
+def _unexpected(e: BaseException, run_root: Path | None) -> None:
+    """One line on rank 0 for an exception nobody anticipated; every rank's traceback goes to
+    ``<run_dir>/logs/traceback.rank<r>.txt`` (a temporary file where there is no usable run directory)."""
+    import tempfile
+    import traceback
+
+    rank = os.environ.get("RANK", "0")
+    text = "".join(traceback.format_exception(e))
+    where = None
+    if run_root is not None:
+        try:
+            (run_root / "logs").mkdir(parents=True, exist_ok=True)
+            where = run_root / "logs" / f"traceback.rank{rank}.txt"
+            where.write_text(text)
+        except OSError:
+            where = None
+    if where is None:
+        fd, name = tempfile.mkstemp(prefix=f"mcit-traceback-rank{rank}-", suffix=".txt")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        where = Path(name)
+    if rank == "0":
+        first = (str(e).splitlines() or [""])[0]
+        print(f"error: {e.__class__.__name__}: {first} (traceback in {where})", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", required=True, help="YAML run config")
@@ -51,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
         if _is_rank0():
             print(f"error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # noqa: BLE001 - anything else in pre-flight: one line, the traceback kept
+        _unexpected(e, None)
+        return 2
 
     from mcit import distributed as dist
     from mcit import preemption
@@ -68,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
         return preemption.RESUME_EXIT_CODE
     except (DataError, BackboneError, CollectiveError) as e:
         print(f"error (rank {dist.rank()}): {e}", file=sys.stderr)
+        return 1
+    except Exception as e:  # noqa: BLE001 - e.g. a method's own check: one line from rank 0, not a traceback per rank
+        _unexpected(e, plan.run_dir)
         return 1
     if dist.is_main():
         print(summary_text(metrics, plan.run_dir))

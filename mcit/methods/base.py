@@ -13,19 +13,59 @@ from __future__ import annotations
 from abc import abstractmethod
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, ClassVar, Iterator, Mapping
+from typing import Annotated, Any, ClassVar, Iterator, Mapping, get_args, get_origin
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import AfterValidator, BaseModel, ConfigDict
 from torch import nn
 
 from mcit.data.types import Batch, TaskSequence
 
 
+_LAYERS = "mcit:block-indices"
+
+
+def _block_indices(v: list[int]) -> list[int]:
+    if any(x < 0 for x in v):
+        raise ValueError(f"block indices must be >= 0, got {v}")
+    if len(set(v)) != len(v):
+        raise ValueError(f"block indices repeat: {v}")
+    return v
+
+
+# Backbone block indices (prompted / masked layers). Checked once here (>= 0, no repeats) and against the
+# backbone's depth by ``MethodParams.check_against`` -- in pre-flight from the checkpoint's config.json, and
+# again when the method is built.
+LayerList = Annotated[list[int], AfterValidator(_block_indices), _LAYERS]
+
+
+def _is_layer_list(annotation: Any) -> bool:
+    if get_origin(annotation) is Annotated and _LAYERS in annotation.__metadata__:
+        return True
+    return any(_is_layer_list(a) for a in get_args(annotation))
+
+
 class MethodParams(BaseModel):
-    """Base of every method's hyper-parameters (the ``method:`` config section minus ``name``)."""
+    """Base of every method's hyper-parameters (the ``method:`` config section minus ``name``).
+
+    Checks of one parameter against another are model validators (they run when the config is loaded);
+    checks against the backbone's depth or the number of tasks are ``check_against``, which pre-flight
+    calls before any process group or model exists."""
 
     model_config = ConfigDict(extra="forbid")
+
+    def check_against(self, num_layers: int | None, num_tasks: int) -> None:
+        """Raise a one-line ValueError naming the key when a block index is past the backbone's
+        ``num_layers`` (None: unknown, not checked) or the parameters do not fit ``num_tasks``."""
+        if num_layers is not None:
+            for name, field in type(self).model_fields.items():
+                value = getattr(self, name)
+                if value is None or not (_LAYERS in field.metadata or _is_layer_list(field.annotation)):
+                    continue
+                out = [x for x in value if x >= num_layers]
+                if out:
+                    raise ValueError(f"method.{name}: block {out[0]} is outside the backbone's {num_layers} blocks "
+                                     f"(0..{num_layers - 1})")
 
 
 class LossTerms(dict):
@@ -120,6 +160,7 @@ class Method(nn.Module):
         object.__setattr__(self, "backbone", backbone)  # by reference: not a submodule, not in state_dict
         self.current_task = 0
         self.phase = self.phases[0]
+        params.check_against(getattr(backbone, "num_layers", None), len(sequence))
 
     # -- build / hooks -------------------------------------------------------------------------------
     @classmethod

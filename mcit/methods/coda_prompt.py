@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field
+from pydantic import Field, model_validator
 from torch import nn
 
 from mcit.data.types import Batch, TaskSequence
-from mcit.methods.base import LossTerms, Method, MethodParams
+from mcit.methods.base import LossTerms, Method, LayerList, MethodParams
 from mcit.methods.prompting import mask_to_classes, per_head
 from mcit.models.base import LayerPrompt
 from mcit.registry import METHODS
@@ -33,9 +33,20 @@ from mcit.registry import METHODS
 class CodaPromptParams(MethodParams):
     pool_size: int = Field(100, ge=1, description="components per block, split evenly over the tasks")
     prompt_length: int = Field(8, ge=2, description="even: half prefix keys, half prefix values")
-    layers: list[int] = Field(default_factory=lambda: [0, 1, 2, 3, 4])
+    layers: LayerList = Field(default_factory=lambda: [0, 1, 2, 3, 4])
     ortho_mu: float = Field(0.0, ge=0)
     train_mask: bool = True
+
+    @model_validator(mode="after")
+    def _even_length(self) -> "CodaPromptParams":
+        if self.prompt_length % 2:
+            raise ValueError(f"prompt_length must be even (half keys, half values), got {self.prompt_length}")
+        return self
+
+    def check_against(self, num_layers: int | None, num_tasks: int) -> None:
+        super().check_against(num_layers, num_tasks)
+        if self.pool_size % num_tasks:
+            raise ValueError(f"method.pool_size ({self.pool_size}) must divide evenly over the {num_tasks} tasks")
 
 
 def orthonormal_extend(old: torch.Tensor, n_new: int, generator: torch.Generator) -> torch.Tensor:
@@ -61,13 +72,6 @@ class CodaPrompt(Method):
     def __init__(self, params: CodaPromptParams, backbone: nn.Module, sequence: TaskSequence) -> None:
         super().__init__(params, backbone, sequence)
         p, d = params, backbone.hidden_size
-        if p.prompt_length % 2:
-            raise ValueError(f"method.prompt_length must be even (half keys, half values), got {p.prompt_length}")
-        if p.pool_size % len(sequence):
-            raise ValueError(f"method.pool_size ({p.pool_size}) must divide evenly over the {len(sequence)} tasks")
-        for layer in p.layers:
-            if not 0 <= layer < backbone.num_layers:
-                raise ValueError(f"method.layers: {layer} is outside the backbone's {backbone.num_layers} blocks")
         n = len(p.layers)
         self.per_task = p.pool_size // len(sequence)
         self.prompt = nn.Parameter(torch.zeros(n, p.pool_size, p.prompt_length, d))

@@ -26,16 +26,16 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from mcit.data.types import Batch, TaskSequence
-from mcit.methods.base import LossTerms, Method, MethodParams
+from mcit.methods.base import LossTerms, Method, LayerList, MethodParams
 from mcit.methods.prompting import cosine, gather_prefix, majority_vote, mask_to_classes, prefix_prompt, uniform_
 from mcit.registry import METHODS
 
 
 class DualPromptParams(MethodParams):
     g_prompt_length: int = Field(5, ge=0, description="0 disables the G-prompt")
-    g_layers: list[int] = Field(default_factory=lambda: [0, 1])
+    g_layers: LayerList = Field(default_factory=lambda: [0, 1])
     e_prompt_length: int = Field(5, ge=1)
-    e_layers: list[int] = Field(default_factory=lambda: [2, 3, 4])
+    e_layers: LayerList = Field(default_factory=lambda: [2, 3, 4])
     pool_size: int | None = Field(None, ge=1, description="E-prompts; default: number of tasks x top_k")
     top_k: int = Field(1, ge=1)
     pull_coeff: float = Field(1.0, ge=0)
@@ -53,6 +53,12 @@ class DualPromptParams(MethodParams):
             raise ValueError(f"g_layers and e_layers overlap at {sorted(both)}")
         return self
 
+    def check_against(self, num_layers: int | None, num_tasks: int) -> None:
+        super().check_against(num_layers, num_tasks)
+        if self.pool_size is not None and self.pool_size < num_tasks * self.top_k:
+            raise ValueError(f"method.pool_size ({self.pool_size}) is smaller than tasks x top_k "
+                             f"({num_tasks} x {self.top_k}); every task needs its own E-prompt")
+
 
 def task_prompt_ids(task: int, top_k: int, batch: int, device: torch.device) -> torch.Tensor:
     """The E-prompts task ``task`` trains (the official prompt mask), for every sample: (B, k)."""
@@ -67,13 +73,7 @@ class DualPrompt(Method):
     def __init__(self, params: DualPromptParams, backbone: nn.Module, sequence: TaskSequence) -> None:
         super().__init__(params, backbone, sequence)
         p = params
-        for layer in [*p.e_layers, *(p.g_layers if p.g_prompt_length else [])]:
-            if not 0 <= layer < backbone.num_layers:
-                raise ValueError(f"method: prompt layer {layer} is outside the backbone's {backbone.num_layers} blocks")
         self.pool_size = p.pool_size or len(sequence) * p.top_k
-        if self.pool_size < len(sequence) * p.top_k:
-            raise ValueError(f"method.pool_size ({self.pool_size}) is smaller than tasks x top_k "
-                             f"({len(sequence)} x {p.top_k}); every task needs its own E-prompt")
         h, hd, d = backbone.num_heads, backbone.head_dim, backbone.hidden_size
         self.e_prompt = uniform_((len(p.e_layers), 2, self.pool_size, p.e_prompt_length, h, hd))
         self.e_key = uniform_((self.pool_size, d))

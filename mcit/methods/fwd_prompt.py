@@ -47,7 +47,7 @@ from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field
+from pydantic import Field, model_validator
 from torch import nn
 
 from mcit.data.types import Batch, TaskSequence
@@ -68,6 +68,12 @@ class FwdPromptParams(MethodParams):
     normalize_tokens: bool = Field(True, description="accumulate unit-norm token embeddings (see the docstring)")
     project: bool = Field(True, description="false: the same pool without projection (ablation)")
 
+    @model_validator(mode="after")
+    def _top_n_fits(self) -> "FwdPromptParams":
+        if self.top_n > self.pool_size:
+            raise ValueError(f"top_n ({self.top_n}) > pool_size ({self.pool_size})")
+        return self
+
 
 @METHODS.register("fwd_prompt")
 class FwdPrompt(InstructionMethod):
@@ -79,8 +85,6 @@ class FwdPrompt(InstructionMethod):
     def __init__(self, params: FwdPromptParams, backbone: nn.Module, sequence: TaskSequence) -> None:
         super().__init__(params, backbone, sequence)
         self._check_backbone()
-        if params.top_n > params.pool_size:
-            raise ValueError(f"method.top_n ({params.top_n}) > method.pool_size ({params.pool_size})")
         d = backbone.hidden_size
         self.prompts = init_from_vocab(backbone, (params.pool_size, params.prompt_length, d))
         self.image_keys = nn.Parameter(torch.empty(params.pool_size, backbone.image_query_dim).uniform_(-1, 1))

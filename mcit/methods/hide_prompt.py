@@ -50,14 +50,14 @@ from torch import nn
 
 from mcit.methods.class_gaussians import class_moments, gaussian_factors, moments_to_gaussians, sample_classes
 from mcit.data.types import Batch, TaskSequence
-from mcit.methods.base import LossTerms, Method, MethodParams
+from mcit.methods.base import LossTerms, Method, LayerList, MethodParams
 from mcit.methods.prompting import gather_prefix, mask_to_classes, prefix_prompt, uniform_
 from mcit.registry import METHODS
 
 
 class HiDePromptParams(MethodParams):
     prompt_length: int = Field(5, ge=1, description="E-prefix length: 5 for CIFAR-100, 20 for ImageNet-R / CUB")
-    e_layers: list[int] = Field(default_factory=lambda: [0, 1, 2, 3, 4])
+    e_layers: LayerList = Field(default_factory=lambda: [0, 1, 2, 3, 4])
     prompt_momentum: float = Field(0.01, ge=0, le=1)
     reg: float = Field(0.1, ge=0, description="weight of the contrastive regulariser")
     reg_temperature: float = Field(0.8, gt=0)
@@ -110,9 +110,6 @@ class HiDePrompt(Method):
 
     def __init__(self, params: HiDePromptParams, backbone: nn.Module, sequence: TaskSequence) -> None:
         super().__init__(params, backbone, sequence)
-        for layer in params.e_layers:
-            if not 0 <= layer < backbone.num_layers:
-                raise ValueError(f"method.e_layers: {layer} is outside the backbone's {backbone.num_layers} blocks")
         d, c, T = backbone.hidden_size, sequence.num_classes, len(sequence)
         self.e_prompt = uniform_((len(params.e_layers), 2, T, params.prompt_length, backbone.num_heads,
                                   backbone.head_dim))

@@ -22,7 +22,7 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field
+from pydantic import Field, model_validator
 from torch import nn
 
 from mcit.data.types import Batch, TaskSequence
@@ -44,6 +44,12 @@ class L2PParams(MethodParams):
         False, description="official-code mode: one majority-voted prompt set per batch (batch-size dependent)"
     )
 
+    @model_validator(mode="after")
+    def _top_k_fits(self) -> "L2PParams":
+        if self.top_k > self.pool_size:
+            raise ValueError(f"top_k ({self.top_k}) exceeds pool_size ({self.pool_size})")
+        return self
+
 
 @METHODS.register("l2p")
 class L2P(Method):
@@ -51,8 +57,6 @@ class L2P(Method):
     Params = L2PParams
 
     def __init__(self, params: L2PParams, backbone: nn.Module, sequence: TaskSequence) -> None:
-        if params.top_k > params.pool_size:
-            raise ValueError(f"method.top_k ({params.top_k}) exceeds method.pool_size ({params.pool_size})")
         super().__init__(params, backbone, sequence)
         d = backbone.hidden_size
         self.prompt = uniform_((params.pool_size, params.prompt_length, d))

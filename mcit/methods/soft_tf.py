@@ -42,11 +42,11 @@ from typing import Iterator, Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field
+from pydantic import Field, model_validator
 from torch import nn
 
 from mcit.data.types import Batch, TaskSequence
-from mcit.methods.base import MethodParams
+from mcit.methods.base import LayerList, MethodParams
 from mcit.methods.dualprompt import DualPrompt, DualPromptParams, task_prompt_ids
 from mcit.methods.l2p import L2P, L2PParams
 from mcit.methods.prompting import cosine, uniform_
@@ -57,7 +57,7 @@ MLP_ROLES = ("fc1", "fc2")
 
 
 class SoftMaskParams(MethodParams):
-    mask_layers: list[int] | None = Field(None, description="masked blocks; default the last E-prompt block (L2P: "
+    mask_layers: LayerList | None = Field(None, description="masked blocks; default the last E-prompt block (L2P: "
                                                             "the last block), as the official target_layers")
     mask_mlp: bool = Field(True, description="also mask the MLP's fc1 and fc2 (the official SubnetMlp); false: the "
                                              "paper's \"w/o FF\" variant")
@@ -69,7 +69,11 @@ class SoftMaskParams(MethodParams):
 
 
 class SoftTFParams(DualPromptParams, SoftMaskParams):
-    pass
+    @model_validator(mode="after")
+    def _one_task(self) -> "SoftTFParams":
+        if self.top_k != 1:
+            raise ValueError("top_k: Soft-TF selects one task (one E-prompt and one mask set) per sample")
+        return self
 
 
 class L2PSoftTFParams(L2PParams, SoftMaskParams):
@@ -115,9 +119,6 @@ class SoftMasks:
 
     def build_masks(self, params: SoftMaskParams, backbone: nn.Module, default_layers: list[int]) -> None:
         self.mask_layers = list(default_layers if params.mask_layers is None else params.mask_layers)
-        for layer in self.mask_layers:
-            if not 0 <= layer < backbone.num_layers:
-                raise ValueError(f"method.mask_layers: {layer} is outside the backbone's {backbone.num_layers} blocks")
         self.roles = ATTENTION_ROLES + (MLP_ROLES if params.mask_mlp else ())
         T = len(self.sequence)
         # Direct parameters of the method (not a ParameterDict): ZeRO-3 gathers a module's own
@@ -214,8 +215,6 @@ class SoftTF(SoftMasks, DualPrompt):
 
     def __init__(self, params: SoftTFParams, backbone: nn.Module, sequence: TaskSequence) -> None:
         DualPrompt.__init__(self, params, backbone, sequence)
-        if params.top_k != 1:
-            raise ValueError("method.top_k: Soft-TF selects one task (one E-prompt and one mask set) per sample")
         self.build_masks(params, backbone, [max(params.e_layers)] if params.e_layers else [backbone.num_layers - 1])
 
     def task_features(self, pixel_values: torch.Tensor, task: torch.Tensor) -> torch.Tensor:

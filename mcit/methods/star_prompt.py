@@ -45,7 +45,7 @@ from pydantic import Field
 from torch import nn
 
 from mcit.data.types import Batch, TaskSequence
-from mcit.methods.base import AuxiliaryBackbone, LossTerms, Method, MethodParams, auxiliary_of
+from mcit.methods.base import AuxiliaryBackbone, LossTerms, Method, LayerList, MethodParams, auxiliary_of
 from mcit.methods.class_gaussians import fit_mixture, sample_mixture
 from mcit.registry import METHODS
 
@@ -56,7 +56,7 @@ class STARPromptParams(MethodParams):
     clip_tag: str = Field("local", description="backbone zoo tag of clip_path (e.g. clip_vitl14_openai), or a label "
                                               "for an HF directory; recorded with its sha256 in backbone.json")
     clip_tokenizer: str | None = Field(None, description="clip_path an OpenAI file: a directory with its tokenizer")
-    prompt_layers: list[int] | None = Field(None, description="ViT blocks with residual prompts; default all")
+    prompt_layers: LayerList | None = Field(None, description="ViT blocks with residual prompts; default all")
     confidence_modulation: bool = True
     map_mask_gradient: Literal["all_current", "selected"] = Field(
         "all_current", description="which classes' a_c the masked score map trains: every current class (the "
@@ -108,9 +108,6 @@ class STARPrompt(Method):
         object.__setattr__(self, "clip", clip)  # frozen, by reference: not in the state dict
         C, D, E = sequence.num_classes, backbone.hidden_size, clip.projection_dim
         self.layers = list(range(backbone.num_layers)) if params.prompt_layers is None else list(params.prompt_layers)
-        for layer in self.layers:
-            if not 0 <= layer < backbone.num_layers:
-                raise ValueError(f"method.prompt_layers: {layer} is outside the backbone's {backbone.num_layers} blocks")
         # first level: "X <name>." with X's embedding learned per class
         names = list(sequence.class_names) or [str(c) for c in sequence.labels]
         enc = clip.tokenize([f"X {n}." for n in names])

@@ -51,7 +51,7 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from mcit.data.types import Batch, TaskSequence
-from mcit.methods.base import LossTerms, Method, MethodParams
+from mcit.methods.base import LossTerms, Method, LayerList, MethodParams
 from mcit.methods.class_gaussians import class_moments, gaussian_factors, moments_to_gaussians, sample_classes
 from mcit.methods.prompting import mask_to_classes, uniform_
 from mcit.models.base import LayerPrompt
@@ -60,7 +60,7 @@ from mcit.registry import METHODS
 
 class VPTNSP2Params(MethodParams):
     prompt_length: int = Field(4, ge=1)
-    layers: list[int] | None = Field(None, description="prompted blocks; default all (VPT-deep)")
+    layers: LayerList | None = Field(None, description="prompted blocks; default all (VPT-deep)")
     null_space: bool = Field(True, description="false: plain sequential VPT-deep with per-task heads (no projection, no L_LN)")
     eta1: float = Field(0.97, ge=0, le=1, description="weight of the null-space projection P1 (Q_X W_k)")
     eta2: float = Field(0.97, ge=0, le=1, description="weight of the null-space projection P2 (S_P)")
@@ -141,9 +141,6 @@ class VPTNSP2(Method):
     def __init__(self, params: VPTNSP2Params, backbone: nn.Module, sequence: TaskSequence) -> None:
         super().__init__(params, backbone, sequence)
         self.layers = list(range(backbone.num_layers)) if params.layers is None else list(params.layers)
-        for layer in self.layers:
-            if not 0 <= layer < backbone.num_layers:
-                raise ValueError(f"method.layers: {layer} is outside the backbone's {backbone.num_layers} blocks")
         n, L, d = len(self.layers), params.prompt_length, backbone.hidden_size
         self.prompt = uniform_((n, L, d))
         kind = params.classifier

@@ -261,35 +261,62 @@ def unfinished_run_dir(reference_run, work):
     return cfg, run_dir
 
 
-def _bad_input_case(case, assets, work, run_dir):
+def _bad_input_case(case, assets, work, run_dir, cfg):
+    """(config file, overrides, what the one line must contain) of one bad input."""
     shards = work / f"shards_{case}"
     shutil.rmtree(shards, ignore_errors=True)
     shutil.copytree(assets["shards"], shards)
     over = [f"run_dir={run_dir}", f"data.root={shards}"]
+    if case == "duplicate_key":
+        dup = work / "duplicate.yaml"
+        text = cfg.read_text()
+        dup.write_text(text.replace("train:\n", "train:\n  epochs: 5\n", 1))
+        first = text[:text.index("train:\n")].count("\n") + 2  # the inserted line, right after "train:"
+        return dup, over, f"(first given at line {first})"
+    if case == "deepspeed_stage_7":
+        ds = work / "ds_stage7.json"
+        ds.write_text(json.dumps({"zero_optimization": {"stage": 7}}))
+        return cfg, over + [f"train.deepspeed_config={ds}"], f"train.deepspeed_config: {ds}: DeepSpeedZeroConfig stage"
+    if case == "run_dir_is_a_file":
+        f = work / "a_file"
+        f.write_text("not a run")
+        return cfg, [f"run_dir={f}", f"data.root={shards}"], f"run_dir {f} exists and is not a directory"
+    if case == "l2p_top_k":
+        return cfg, over + ["method.top_k=20"], "method: top_k (20) exceeds pool_size (10)"
+    if case == "dualprompt_layer":
+        return cfg, over + ["method.name=dualprompt", "method.e_layers=[0,5]", "method.g_layers=[1]"], \
+            "method.e_layers: block 5 is outside the backbone's 2 blocks (0..1)"
+    if case == "coda_pool":
+        return cfg, over + ["method.name=coda_prompt", "method.layers=[0,1]", "method.pool_size=7"], \
+            "method.pool_size (7) must divide evenly over the 3 tasks"
     if case == "bad_key":
-        return over + ["train.learning_rate=0.1"], "train.learning_rate: unknown key"
+        return cfg, over + ["train.learning_rate=0.1"], "train.learning_rate: unknown key"
     if case == "missing_shard":
         (shards / "task2" / "train" / "shard-000001.tar").unlink()
-        return over, "missing shard: " + str(shards / "task2" / "train" / "shard-000001.tar")
+        return cfg, over, "missing shard: " + str(shards / "task2" / "train" / "shard-000001.tar")
     if case == "truncated_shard":
         f = shards / "task1" / "test" / "shard-000000.tar"
         f.write_bytes(f.read_bytes()[:2048])
-        return over, f"shard {f} has 2048 bytes"
+        return cfg, over, f"shard {f} has 2048 bytes"
     if case == "missing_backbone":
-        return over + [f"backbone.path={work / 'no_such_backbone'}"], f"backbone path not found: {work / 'no_such_backbone'}"
+        return cfg, over + [f"backbone.path={work / 'no_such_backbone'}"], f"backbone path not found: {work / 'no_such_backbone'}"
     raise ValueError(case)
 
 
-@pytest.mark.parametrize("case", ["bad_key", "missing_shard", "truncated_shard", "missing_backbone"])
+@pytest.mark.parametrize("case", ["bad_key", "missing_shard", "truncated_shard", "missing_backbone", "duplicate_key",
+                                  "deepspeed_stage_7", "run_dir_is_a_file", "l2p_top_k", "dualprompt_layer",
+                                  "coda_pool"])
 def test_bad_input_stops_with_one_line_and_keeps_run_dir(case, assets, work, unfinished_run_dir):
     cfg, run_dir = unfinished_run_dir
-    overrides, expected = _bad_input_case(case, assets, work, run_dir)
+    cfg, overrides, expected = _bad_input_case(case, assets, work, run_dir, cfg)
     before = snapshot(run_dir)
     res = run_main(["--config", str(cfg), *overrides])  # stops in pre-flight: the entry point's main, in-process
     assert res.returncode == 2
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
-    assert expected in lines[0]
+    assert expected in lines[0], lines[0]
+    if case == "duplicate_key":
+        assert "duplicate key 'epochs' at line" in lines[0] and str(cfg) in lines[0]
     assert snapshot(run_dir) == before
 
 

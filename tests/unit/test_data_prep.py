@@ -418,3 +418,45 @@ def test_text_only_and_multi_turn_records_are_kept(tmp_path):
     assert convert("llava_mix", "--verify", tmp_path / "all" / "train").returncode == 0
     r = convert("llava_mix", "--json", mix, "--images", tmp_path / "data", "--out", tmp_path / "big", "--sample", 99)
     assert r.returncode == 2 and "holds only 11 records" in r.stderr
+
+
+def test_data_prep_names_the_missing_key_and_keeps_images_inside_their_folder(tmp_path):
+    """A test pickle without fine_labels is named as such (it used to surface as a class-count message), a meta
+    whose fine_label_names is not a list is named, and an image path leading out of --images ("..", absolute,
+    or through a link) is refused before anything is written."""
+    import json
+
+    from PIL import Image
+
+    raw = cifar_raw(tmp_path / "cifar")
+    with open(raw / "test", "rb") as f:
+        test = pickle.load(f, encoding="bytes")
+    del test[b"fine_labels"]
+    with open(raw / "test", "wb") as f:
+        pickle.dump(test, f)
+    r = convert("cifar100", "--raw", raw, "--out", tmp_path / "o1", "--classes-per-task", 3)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and f"{raw / 'test'}: unknown format (no 'fine_labels' entry)" in lines[0]
+    raw2 = cifar_raw(tmp_path / "cifar2")
+    with open(raw2 / "meta", "wb") as f:
+        pickle.dump({b"fine_label_names": b"apple"}, f)
+    r = convert("cifar100", "--raw", raw2, "--out", tmp_path / "o2", "--classes-per-task", 2)
+    assert r.returncode == 2 and "'fine_label_names' list of class names" in r.stderr and str(raw2 / "meta") in r.stderr
+
+    images = tmp_path / "images"
+    images.mkdir()
+    Image.new("RGB", (8, 8), (9, 9, 9)).save(images / "in.png")
+    Image.new("RGB", (8, 8), (1, 2, 3)).save(tmp_path / "secret.png")
+    (images / "link.png").symlink_to(tmp_path / "secret.png")
+    for bad in ["../secret.png", str(tmp_path / "secret.png"), "link.png"]:
+        recs = [{"id": "ok", "image": "in.png", "conversations": [{"from": "human", "value": "<image>\nq"},
+                                                                  {"from": "gpt", "value": "a"}]},
+                {"id": "evil", "image": bad, "conversations": [{"from": "human", "value": "<image>\nq"},
+                                                              {"from": "gpt", "value": "a"}]}]
+        (tmp_path / "x.json").write_text(json.dumps(recs))
+        out = tmp_path / "o3"
+        r = convert("llava_json", "--json", tmp_path / "x.json", "--images", images, "--out", out)
+        assert r.returncode == 2 and "'evil'" in r.stderr and f"image path {bad!r} leads outside --images" in r.stderr, r.stderr
+        assert not out.exists()
+    (tmp_path / "x.json").write_text(json.dumps(recs[:1]))
+    assert convert("llava_json", "--json", tmp_path / "x.json", "--images", images, "--out", tmp_path / "o4").returncode == 0

@@ -343,3 +343,37 @@ def test_answer_rows_carry_coin_fields_and_the_record_reaches_the_scorer(llava, 
         "answer_id": ref["key"], "model_id": "llava-1.5-7b", "metadata": {}}
     assert S.get("coin_scienceqa")("C", {**ref, "answer": "C"}) == 0.0  # two choices: C is not an option
     assert S.get("coin_scienceqa")("C", {"answer": "C"}) == 1.0  # without choices every letter A-E counts
+
+
+def test_energy_basis_thresholds_are_inclusive_and_count_captured_energy():
+    """A diagonal covariance with energies 4, 3, 2, 1 (total 10), so every count is exact.
+    * eps 0.7 needs 7: the first two directions hold exactly 7, so 2 directions (not 3: reaching the
+      threshold is enough).
+    * an existing basis e1 holds 4 = 0.4 x 10: at eps 0.4 nothing new is needed.
+    * with e1 kept, eps 0.7 still needs 7 - 4 = 3, which e2 alone holds: exactly one new direction, e2
+      (not counting e1's energy would ask the residual 3 + 2 + 1 for all 7 and take every direction)."""
+    from mcit.subspace import energy_basis
+
+    cov = torch.diag(torch.tensor([4.0, 3.0, 2.0, 1.0], dtype=torch.float64))
+    assert energy_basis(cov, 0.7).shape == (4, 2)
+    e1 = torch.eye(4, dtype=torch.float64)[:, :1]
+    assert energy_basis(cov, 0.4, e1).shape == (4, 0)
+    new = energy_basis(cov, 0.7, e1)
+    assert new.shape == (4, 1) and torch.allclose(new[:, 0].abs(), torch.eye(4, dtype=torch.float64)[:, 1])
+    assert energy_basis(cov, 0.71, e1).shape == (4, 2)
+
+
+def test_scorers_at_their_edges():
+    """grounding_iou counts IoU >= 0.5 (a box of exactly half the union scores, 0.45 does not); exact_match
+    accepts any reference answer, not only the first; a decimal point is kept ("3.5" is neither "3 5"
+    nor "35")."""
+    ref = {"answer": "[0, 0, 10, 10]"}
+    assert S.grounding_iou("[0, 0, 10, 5]", ref) == 1.0  # IoU 50 / 100 = 0.5
+    assert S.grounding_iou("[0, 0, 10, 4.5]", ref) == 0.0  # IoU 0.45
+    assert S.grounding_iou("[0, 0, 10, 4.6]", ref) == 0.0  # 0.46: still below, a 0.4 threshold would pass it
+    both = {"answer": "red", "answers": ["crimson", "red"]}
+    assert S.exact_match("red", both) == 1.0 and S.exact_match("crimson", both) == 1.0
+    assert S.exact_match("blue", both) == 0.0
+    assert S.normalize("3.5") == "3.5" and S.normalize("It is 3.5.") == "it is 3.5"
+    assert S.exact_match("3 5", {"answer": "3.5"}) == 0.0 and S.exact_match("35", {"answer": "3.5"}) == 0.0
+    assert S.exact_match("3.5", {"answer": "3.5"}) == 1.0

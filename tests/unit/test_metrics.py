@@ -48,3 +48,16 @@ def test_heatmap_and_report(tmp_path):
     md = M.report_markdown("n", "l2p", "tag", ["a", "b", "c"], [1, 1, 1], acc, None, M.compute(acc, [1, 1, 1]))
     assert "| after \\ on | a | b | c |" in md and "final_avg_acc" in md
     json.dumps(M.compute(acc, [1, 1, 1]))
+
+
+def test_forgetting_maximum_starts_at_the_learned_row_and_stops_before_the_last():
+    """Rows are 'after training task t', columns the task evaluated. Task 1 scores 90 before it is learned
+    (row 0: the pre-trained model already does it) and improves in the last row (60 -> 70). By the
+    definition (Chaudhry et al. 2018), its forgetting is max(acc[1][1]) - acc[2][1] = 60 - 70 = -10, and
+    task 0's is max(50, 40) - 30 = 20: mean 5. A maximum from row 0 would count the unlearned 90 (mean 20);
+    one over every row including the last gives task 1 max(60, 70) - 70 = 0 (mean 10) -- which is exactly
+    mammoth's forgetting, kept as forgetting_mammoth."""
+    acc = [[50.0, 90.0, 0.0], [40.0, 60.0, 0.0], [30.0, 70.0, 80.0]]
+    m = M.compute(acc, [10, 10, 10])
+    assert m["forgetting"] == pytest.approx(5.0)
+    assert m["forgetting_mammoth"] == pytest.approx(10.0)
