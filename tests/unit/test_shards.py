@@ -142,3 +142,40 @@ def test_fast_tar_reader_yields_what_webdataset_yields(tmp_path, mtime):
     (tmp_path / "flip.tar").write_bytes(bytes(broken))
     with pytest.raises(DataError, match=r"flip\.tar: bad tar header at byte 0"):
         list(tar_samples(tmp_path / "flip.tar"))
+
+
+def test_greedy_assignment_takes_the_largest_shard_first():
+    """Shards of 5, 3, 3, 3, 2 samples over 2 ranks: largest first gives 5+3 | 3+3+2 = 8 | 8; the same rule
+    smallest first would give 2+3+5 | 3+3 = 10 | 6. Rank 0 owns the 5-sample shard and one 3."""
+    class S:
+        shard_counts = [3, 5, 2, 3, 3]
+        num_samples = 16
+
+    mode, mine, load = assign(S(), 0, 2, "shard")
+    assert mode == "shard" and load == [8, 8] and mine == [1, 4]
+    assert assign(S(), 1, 2, "shard")[1] == [0, 2, 3]
+
+
+def test_steps_per_epoch_follow_the_largest_rank_and_round_to_grad_accum(tmp_path):
+    """5 samples in one shard over 2 ranks (sample mode): ranks hold 3 and 2. Batch 2: the larger rank needs
+    2 steps (the smaller one 1, then pads); with grad_accum 3 an epoch is one whole optimizer step, 3 micro steps."""
+    write_split(tmp_path / "five", _samples(5), shard_size=10, label_space=[0, 1, 2])
+    sp = open_split(tmp_path / "five")
+    assert rank_counts(sp, 2, "sample") == [3, 2]
+    assert micro_steps_per_epoch(sp, 2, 2, 1, "sample") == 2
+    assert micro_steps_per_epoch(sp, 2, 2, 3, "sample") == 3
+    assert micro_steps_per_epoch(sp, 2, 1, 2, "sample") == 4  # 3 steps rounded up to 2 x 2
+
+
+def test_manifest_whose_count_disagrees_with_its_shards_is_refused(split):
+    mpath = split.directory / "manifest.json"
+    m = json.loads(mpath.read_text())
+    m["num_samples"] += 1
+    mpath.write_text(json.dumps(m))
+    with pytest.raises(DataError, match="shard sample counts do not add up to num_samples"):
+        open_split(split.directory)
+    m["num_samples"] -= 1
+    m["shards"][3]["num_samples"] -= 1
+    mpath.write_text(json.dumps(m))
+    with pytest.raises(DataError, match="do not add up"):
+        open_split(split.directory)
