@@ -143,6 +143,11 @@ class TrainConfig(_Strict):
     log_every: int = Field(10, ge=1)
     deepspeed_config: str = "deepspeed_configs/zero2.json"
     precision: Literal["fp32", "bf16"] = "fp32"
+    on_nonfinite: Literal["stop", "skip"] = Field(
+        "stop", description="a NaN / inf loss (agreed by all ranks before the backward) or global gradient norm: "
+                            "stop (exit 1, the last committed checkpoint kept) or skip the micro-batch (loss only)")
+    max_nonfinite_steps: int = Field(10, ge=0, description="skip: stop once more micro-batches than this were skipped "
+                                                           "in one task")
     progress: bool = True
     collective_timeout_s: float = Field(
         1800.0, gt=0, description="a collective that does not complete within this (a dead or stuck rank) ends the "

@@ -110,6 +110,32 @@ StepCallback = Callable[[int, int, Any], None]
 _step_callbacks: list[StepCallback] = []
 
 
+class NonFiniteError(RuntimeError):
+    """Training produced a NaN / inf loss or gradient norm; ``str()`` is the one line the user sees."""
+
+
+class _NonFiniteLoss(Exception):
+    def __init__(self, value: float) -> None:
+        super().__init__(value)
+        self.value = value
+
+
+LossSeam = Callable[[int, int, torch.Tensor], torch.Tensor]
+_loss_seams: list[LossSeam] = []
+
+
+def on_loss(fn: LossSeam) -> LossSeam:
+    """Register ``fn(task, optimizer_step, loss) -> loss``, applied on every rank to each micro-batch's loss
+    just before the non-finite check. A test-only seam (tests/launch/workers/faulty_run.py makes a chosen
+    step's loss NaN with it); nothing registers one in a normal run."""
+    _loss_seams.append(fn)
+    return fn
+
+
+def nonfinite_word(x: float) -> str:
+    return "nan" if math.isnan(x) else "inf" if x > 0 else "-inf"
+
+
 def on_optimizer_step(fn: StepCallback) -> StepCallback:
     """Register ``fn(task, global_step, engine)``, called on every rank after each optimizer step (after the
     step checkpoint, before the preemption check). Nothing registers one in a normal run; tests use it to
@@ -228,11 +254,13 @@ def setup_engine(cfg: RunConfig, method: Method, world: int, steps_per_epoch: in
     return engine, stage
 
 
-def train_step(engine: Any, batch: Any, scale: float) -> tuple[Any, bool]:
+def train_step(engine: Any, batch: Any, scale: float,
+               check: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[Any, bool]:
     """Forward, loss weighting, backward and (at an accumulation boundary) the optimizer step.
 
     ``scale`` = world * grad_accum / real samples in the accumulation window over all ranks, so the
     summed, valid-weighted per-sample losses become the global mean after DeepSpeed's averaging.
+    ``check(loss)`` runs before the backward (the trainer's non-finite guard; it may raise).
     Returns the method's LossTerms and whether the optimizer stepped.
     """
     terms = engine(batch)
@@ -240,6 +268,8 @@ def train_step(engine: Any, batch: Any, scale: float) -> tuple[Any, bool]:
     loss = (terms.per_sample * valid).sum() * scale
     if terms.regularizer is not None:
         loss = loss + terms.regularizer
+    if check is not None:
+        loss = check(loss)
     engine.backward(loss)
     boundary = engine.is_gradient_accumulation_boundary()
     old = _snapshot_masters(engine.module) if boundary and engine.module.projects_updates else None
@@ -296,6 +326,18 @@ class TaskTrainer:
         engine.train()
         seen, t_start = 0, time.perf_counter()
         loss_sum, valid_sum = 0.0, 0.0
+        skipped = 0
+
+        def check(loss: torch.Tensor) -> torch.Tensor:
+            """One all-reduce of the loss: a NaN / inf on any rank reaches every rank, so all agree."""
+            for seam in _loss_seams:
+                loss = seam(task, gstep + 1, loss)
+            total = loss.detach().float().reshape(1).cpu().clone()
+            dist.all_reduce_sum(total)
+            if not math.isfinite(float(total)):
+                raise _NonFiniteLoss(float(total))
+            return loss
+
         for epoch in range(epoch0, t.epochs):
             skip = micro0 if epoch == epoch0 else 0
             batches = train_batches(
@@ -309,7 +351,26 @@ class TaskTrainer:
                     continue  # an all-padding accumulation window (same on every rank): no step at all
                 torch.manual_seed(data_seed(cfg.seed + 7, task, epoch * 1_000_000 + s, rank))
                 batch = batch.to(device)
-                terms, boundary = train_step(engine, batch, world * gas / n_window)
+                try:
+                    terms, boundary = train_step(engine, batch, world * gas / n_window, check)
+                except _NonFiniteLoss as e:
+                    where = f"task {task} step {gstep + 1}: loss is {nonfinite_word(e.value)}"
+                    if t.on_nonfinite == "stop":
+                        raise NonFiniteError(f"{where} (train.on_nonfinite: stop; the last committed checkpoint "
+                                             f"is kept)") from None
+                    skipped += 1
+                    self.logger.log({"task": task, "epoch": epoch, "step": gstep, "micro_step": s,
+                                     "nonfinite_skipped": skipped, "time": time.time()}, step=gstep)
+                    if skipped > t.max_nonfinite_steps:
+                        raise NonFiniteError(f"{where}; {skipped} micro-batches skipped in this task, more than "
+                                             f"train.max_nonfinite_steps={t.max_nonfinite_steps}") from None
+                    continue
+                if boundary:
+                    norm = engine.get_global_grad_norm()
+                    if norm is not None and not math.isfinite(float(norm)):  # the same global value on every rank
+                        raise NonFiniteError(f"task {task} step {gstep + 1}: gradient norm is "
+                                             f"{nonfinite_word(float(norm))} (the update is already in the weights, "
+                                             f"so this always stops; the last committed checkpoint is kept)")
                 valid = batch.valid.to(terms.per_sample.dtype)
                 loss_sum += float((terms.per_sample.detach() * valid).sum())
                 valid_sum += float(valid.sum())

@@ -130,8 +130,13 @@ def preflight(cfg: RunConfig, base: Path | None = None, *, run_dir: Path | None 
     ds_path = resolve_ds_config_path(cfg.train.deepspeed_config)
     if not ds_path.is_file():
         raise ConfigError(f"train.deepspeed_config: file not found: {cfg.train.deepspeed_config}")
+    import torch.distributed as tdist
+
+    # DeepSpeedConfig checks the batch sizes against the live group's size where one exists (a worker that
+    # calls pre-flight after init), else against one process.
+    world = tdist.get_world_size() if tdist.is_available() and tdist.is_initialized() else 1
     try:
-        ds = build_ds_config(cfg, 1)
+        ds = build_ds_config(cfg, world)
     except json.JSONDecodeError as e:
         raise ConfigError(f"train.deepspeed_config: {ds_path} is not valid JSON ({e})") from None
     check_ds_config(ds, ds_path)

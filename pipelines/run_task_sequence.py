@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from mcit import distributed as dist
     from mcit import preemption
+    from mcit.engine import NonFiniteError
     from mcit.pipeline import CollectiveError
 
     dist.init(timeout_s=cfg.train.collective_timeout_s)
@@ -97,6 +98,10 @@ def main(argv: list[str] | None = None) -> int:
         return preemption.RESUME_EXIT_CODE
     except (DataError, BackboneError, CollectiveError) as e:
         print(f"error (rank {dist.rank()}): {e}", file=sys.stderr)
+        return 1
+    except NonFiniteError as e:  # every rank agreed on it: one line
+        if dist.is_main():
+            print(f"error: {e}", file=sys.stderr)
         return 1
     except Exception as e:  # noqa: BLE001 - e.g. a method's own check: one line from rank 0, not a traceback per rank
         _unexpected(e, plan.run_dir)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -327,3 +328,73 @@ def test_different_config_against_existing_run_dir_is_refused(reference_run):
     assert res.returncode == 2
     assert "holds a run with a different config" in res.stderr and str(run_dir) in res.stderr
     assert snapshot(run_dir) == before
+
+
+def test_nonfinite_loss_stops_with_one_line_and_resumes_from_the_last_checkpoint(assets, work, reference_run):
+    """Task 1's loss is made NaN at optimizer step 5 on rank 1 only (the test-only seam mcit.engine.on_loss):
+    both ranks agree through one all-reduce and stop before the backward, rank 0 prints one line, exit 1.
+    The step checkpoint committed at step 3 is untouched and task 1 is not recorded as trained; a plain
+    re-run resumes from it and ends with the uninterrupted run's matrix."""
+    _, ref_dir, _ = reference_run
+    cfg = tiny_config(assets, work, "nan_stop")
+    run_dir = work / "runs" / "nan_stop"
+    res = launch(["--config", str(cfg)], launcher="deepspeed", nproc=2, entry=FAULTY, MCIT_TEST_NONFINITE="1:5:1")
+    assert res.returncode == 1, res.stdout[-2000:] + res.stderr[-2000:]
+    errors = [ln for ln in res.stderr.splitlines() if "error" in ln.lower() and "loss is" in ln]
+    assert len(errors) == 1 and errors[0].startswith("error: task 1 step 5: loss is nan"), res.stderr[-2000:]
+    assert "Traceback" not in res.stderr
+    state = json.loads((run_dir / "state.json").read_text())
+    assert "0/commit" in state["completed"] and "1/train" not in state["completed"]
+    steps = run_dir / "checkpoints/task_1/steps"
+    committed = json.loads((steps / "committed.json").read_text())
+    assert committed["global_step"] == 3 and [p.name for p in steps.iterdir() if p.is_dir()] == ["step00000003"]
+    before = snapshot(steps)
+
+    res = launch(["--config", str(cfg)], launcher="deepspeed", nproc=2, entry=FAULTY, MCIT_TEST_NONFINITE="1:5:0:inf")
+    # times inf: +inf or -inf by the sign of the loss (L2P's key pull makes it negative)
+    assert res.returncode == 1 and re.search(r"error: task 1 step 5: loss is -?inf \(", res.stderr), res.stderr[-1000:]
+    assert snapshot(steps) == before  # a second stop at the same step leaves the checkpoint as it was
+
+    res = launch(["--config", str(cfg)], launcher="deepspeed", nproc=2)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    got = json.loads((run_dir / "metrics.json").read_text())
+    ref = json.loads((ref_dir / "metrics.json").read_text())
+    assert got["acc_matrix"] == ref["acc_matrix"]
+
+
+def test_nonfinite_skip_drops_the_micro_batch_and_counts_it(assets, work):
+    """train.on_nonfinite: skip: a NaN loss at task 0 step 2 is dropped (no backward, no update), logged,
+    and the run finishes; with max_nonfinite_steps 0 the same NaN stops it, naming the limit."""
+    cfg = tiny_config(assets, work, "nan_skip", data={"tasks": ["task0", "task1"]},
+                      train={"on_nonfinite": "skip", "max_nonfinite_steps": 1})
+    res = launch(["--config", str(cfg)], launcher="deepspeed", nproc=2, entry=FAULTY, MCIT_TEST_NONFINITE="0:2")
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    logs = [json.loads(ln) for ln in (work / "runs" / "nan_skip" / "logs" / "train.jsonl").read_text().splitlines()]
+    skips = [r for r in logs if "nonfinite_skipped" in r]
+    assert [(r["task"], r["step"], r["nonfinite_skipped"]) for r in skips] == [(0, 1, 1)]
+    m = json.loads((work / "runs" / "nan_skip" / "metrics.json").read_text())
+    assert m["complete"] and all(all(v == v for v in row) for row in m["acc_matrix"])
+
+    cfg = tiny_config(assets, work, "nan_skip0", data={"tasks": ["task0", "task1"]},
+                      train={"on_nonfinite": "skip", "max_nonfinite_steps": 0})
+    res = launch(["--config", str(cfg)], launcher="deepspeed", nproc=2, entry=FAULTY, MCIT_TEST_NONFINITE="0:2")
+    assert res.returncode == 1 and "error: task 0 step 2: loss is nan; 1 micro-batches skipped in this task, " \
+                                   "more than train.max_nonfinite_steps=0" in res.stderr, res.stderr[-2000:]
+
+
+def test_backbone_with_a_nan_weight_stops_at_the_first_step(assets, work):
+    """A backbone checkpoint with NaN in one weight tensor used to train every task and commit 0.0 everywhere."""
+    from safetensors.torch import load_file, save_file
+
+    bad = work / "nan_backbone"
+    shutil.copytree(assets["backbone"], bad, dirs_exist_ok=True)
+    f = next(bad.glob("*.safetensors"))
+    tensors = load_file(str(f))
+    name = next(k for k in tensors if k.endswith("attention.query.weight") or k.endswith("q_proj.weight"))
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    cfg = tiny_config(assets, work, "nan_backbone", backbone={"kind": "vit", "path": str(bad), "tag": "nan_vit"})
+    res = launch(["--config", str(cfg)], launcher="python")
+    assert res.returncode == 1 and "error: task 0 step 1: loss is nan" in res.stderr, res.stderr[-2000:]
+    assert not (work / "runs" / "nan_backbone" / "metrics.json").exists() or \
+        not json.loads((work / "runs" / "nan_backbone" / "metrics.json").read_text())["acc_matrix"]

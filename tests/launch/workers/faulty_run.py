@@ -6,6 +6,11 @@
 Right after optimizer step ``step`` of task ``task``, sends SIGNAL (default KILL) to every rank (after a
 barrier, so all of them reach the step) or only to ``rank`` (``*`` = every rank). The fault goes in through
 ``mcit.engine.on_optimizer_step``; the production entry point reads no such variable.
+
+    MCIT_TEST_NONFINITE=task:step[:rank[:nan|inf]] python tests/launch/workers/faulty_run.py --config C ...
+
+makes the loss of optimizer step ``step`` of task ``task`` NaN (or inf) on every rank or on ``rank`` alone,
+once (the first micro-batch of that step), through the test-only seam ``mcit.engine.on_loss``.
 """
 
 from __future__ import annotations
@@ -37,8 +42,31 @@ def install(spec: str) -> None:
         os.kill(os.getpid(), sig)
 
 
+def install_nonfinite(spec: str) -> None:
+    parts = spec.split(":")
+    task, step = int(parts[0]), int(parts[1])
+    who = int(parts[2]) if len(parts) > 2 and parts[2] != "*" else None
+    value = float(parts[3]) if len(parts) > 3 else float("nan")
+
+    from mcit import distributed as dist
+    from mcit.engine import on_loss
+
+    fired = []
+
+    @on_loss
+    def poison(t: int, gstep: int, loss):  # noqa: ANN001, ANN202
+        if (t, gstep) == (task, step) and not fired:
+            fired.append(True)  # on every rank, so all ranks count the same micro-batch
+            if who in (None, dist.rank()):
+                return loss * value
+        return loss
+
+
 if __name__ == "__main__":
-    install(os.environ["MCIT_TEST_FAULT"])
+    if os.environ.get("MCIT_TEST_FAULT"):
+        install(os.environ["MCIT_TEST_FAULT"])
+    if os.environ.get("MCIT_TEST_NONFINITE"):
+        install_nonfinite(os.environ["MCIT_TEST_NONFINITE"])
     from pipelines.run_task_sequence import main
 
     raise SystemExit(main())
