@@ -211,6 +211,31 @@ class RunConfig(_Strict):
     def resolved_run_dir(self) -> Path:
         return Path(self.run_dir) if self.run_dir else Path("runs") / self.name
 
+    def with_absolute_paths(self, base: Path) -> "RunConfig":
+        """The config with its input paths made absolute against ``base`` (the directory the run was launched
+        from), so the copy kept in the run directory reads the same data and checkpoints from any working
+        directory and after the run directory is moved. data.root, data.reference, the tasks' train / test
+        and backbone.cache_dir always; backbone.path, backbone.tokenizer and train.deepspeed_config only where
+        that path exists under ``base`` (else they stay as given: a hub id, or a DeepSpeed JSON of the
+        repository's deepspeed_configs/). run_dir is left as given: it names where this launch writes."""
+        c = self.model_copy(deep=True)
+
+        def absolute(p: str | None, only_existing: bool = False) -> str | None:
+            if p is None or Path(p).is_absolute() or (only_existing and not (base / p).exists()):
+                return p
+            return str((base / p).resolve())
+
+        c.data.root = absolute(c.data.root)
+        c.data.reference = absolute(c.data.reference)
+        c.data.tasks = [t if isinstance(t, str) else
+                        t.model_copy(update={"train": absolute(t.train), "test": absolute(t.test)})
+                        for t in c.data.tasks]
+        c.backbone.path = absolute(c.backbone.path, only_existing=True)
+        c.backbone.tokenizer = absolute(c.backbone.tokenizer, only_existing=True)
+        c.backbone.cache_dir = absolute(c.backbone.cache_dir)
+        c.train.deepspeed_config = absolute(c.train.deepspeed_config, only_existing=True)
+        return c
+
 
 # --------------------------------------------------------------------------------------------------
 # Loading
@@ -300,7 +325,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConf
         raise ConfigError(f"config error in {source}: the top level must be a mapping")
     data.setdefault("name", path.stem)
     data = apply_overrides(data, overrides or [])
-    return validate_config(data, source)
+    return validate_config(data, source).with_absolute_paths(Path.cwd())
 
 
 def validate_config(data: dict, source: str = "<config>") -> RunConfig:

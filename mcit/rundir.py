@@ -170,4 +170,5 @@ class RunDir:
             old = validate_config(yaml.safe_load(self.config.read_text()) or {}, str(self.config))
         except (ConfigError, yaml.YAMLError):
             return False
+        old = old.with_absolute_paths(Path.cwd())  # a run directory written before paths were stored absolute
         return dump_config(old) == dump_config(cfg)

@@ -398,3 +398,36 @@ def test_backbone_with_a_nan_weight_stops_at_the_first_step(assets, work):
     assert res.returncode == 1 and "error: task 0 step 1: loss is nan" in res.stderr, res.stderr[-2000:]
     assert not (work / "runs" / "nan_backbone" / "metrics.json").exists() or \
         not json.loads((work / "runs" / "nan_backbone" / "metrics.json").read_text())["acc_matrix"]
+
+
+def test_a_run_started_with_relative_paths_evaluates_after_a_move_from_another_directory(assets, work):
+    """The run is launched from the repository root with data.root, backbone.path and run_dir relative to it.
+    Its config.yaml keeps them absolute, so the run directory, copied elsewhere, evaluated from another
+    working directory by `evaluate.py --run NEWPATH --task-checkpoint all`, gives the stored rows exactly."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT, run_env
+
+    rel = lambda p: os.path.relpath(p, ROOT)  # noqa: E731
+    cfg = tiny_config(assets, work, "relative", data={"root": rel(assets["shards"]), "tasks": ["task0", "task1"]},
+                      backbone={"kind": "vit", "path": rel(assets["backbone"]), "tag": "tiny_test_vit"},
+                      run_dir=rel(work / "runs" / "relative"))
+    res = launch(["--config", str(cfg)], launcher="python")  # cwd: the repository root
+    assert res.returncode == 0, res.stderr[-3000:]
+    run_dir = work / "runs" / "relative"
+    stored = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert stored["data"]["root"] == str(assets["shards"].resolve())
+    assert stored["backbone"]["path"] == str(assets["backbone"].resolve())
+    moved = work / "elsewhere" / "moved_run"
+    shutil.copytree(run_dir, moved)
+    shutil.rmtree(run_dir)
+    other = work / "another_cwd"
+    other.mkdir()
+    res = subprocess.run([sys.executable, str(EVALUATE), "--run", str(moved), "--task-checkpoint", "all"], cwd=other,
+                         env=run_env(), capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    m = json.loads((moved / "metrics.json").read_text())
+    assert [_row(moved, f"after_task_{k}") for k in range(2)] == m["acc_matrix"]
+    assert not list(other.iterdir())  # nothing written where it was started
