@@ -39,6 +39,52 @@ def row_tag(trained: int | None) -> str:
     return ZERO_SHOT if trained is None else f"after_task_{trained}"
 
 
+class RunDirLock:
+    """One live run per run directory: an exclusive ``flock`` on ``<run_dir>/run.lock`` held by rank 0 for the
+    run's lifetime. The kernel drops it when the process ends, however it ends (SIGKILL, OOM, a node's job
+    cancelled), so a killed or requeued run never needs a hand clean-up. The file names the holder (host,
+    pid, Slurm job) for the second launch's message. flock is per host: on a shared file system it excludes
+    across nodes only where that file system supports it (NFSv4, Lustre with flock; GPFS)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd: int | None = None
+
+    def acquire(self) -> str | None:
+        """Take the lock; None on success, else a one-line description of the holder."""
+        import fcntl
+        import os
+        import socket
+        import time
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            try:
+                holder = json.loads(self.path.read_text() or "{}")
+            except (OSError, json.JSONDecodeError):
+                holder = {}
+            job = f", Slurm job {holder['slurm_job_id']}" if holder.get("slurm_job_id") else ""
+            return (f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}{job}, since "
+                    f"{holder.get('since', '?')}")
+        info = {"host": socket.gethostname(), "pid": os.getpid(), "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+                "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
+        self._fd = fd
+        return None
+
+    def release(self) -> None:
+        import os
+
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor drops the flock
+            self._fd = None
+
+
 class RunDir:
     """Paths of one run directory (nothing is created until something is written)."""
 
@@ -52,6 +98,10 @@ class RunDir:
     @property
     def config(self) -> Path:
         return self.root / "config.yaml"
+
+    @property
+    def lock(self) -> RunDirLock:
+        return RunDirLock(self.root / "run.lock")
 
     @property
     def backbone(self) -> Path:
@@ -157,7 +207,8 @@ class RunDir:
                 f"run directory {self.root} holds a run with a different config ({self.config}); "
                 f"use another run_dir (e.g. run_dir={self.root}_2) or restore the original config")
         # logs/ alone may be there already: the Slurm job scripts put the launcher's per-rank logs in it
-        if self.root.exists() and not self.config.is_file() and any(p.name != "logs" for p in self.root.iterdir()):
+        if self.root.exists() and not self.config.is_file() and any(p.name not in ("logs", "run.lock")
+                                                                    for p in self.root.iterdir()):
             raise RunDirError(f"run directory {self.root} exists, is not empty and has no config.yaml; "
                               f"refusing to write into it")
 

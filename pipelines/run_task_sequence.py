@@ -87,6 +87,14 @@ def main(argv: list[str] | None = None) -> int:
     from mcit.pipeline import CollectiveError
 
     dist.init(timeout_s=cfg.train.collective_timeout_s)
+    lock = plan.run.lock
+    holder = lock.acquire() if dist.is_main() else None
+    if not dist.all_ok(holder is None):
+        if dist.is_main():
+            print(f"error: run directory {plan.run.root} is in use by another launch ({holder}); wait for it to "
+                  f"end, or stop it (its lock goes with it)", file=sys.stderr)
+        dist.shutdown()
+        return 2
     preemption.install()
     try:
         metrics = Pipeline(plan).run()

@@ -431,3 +431,64 @@ def test_a_run_started_with_relative_paths_evaluates_after_a_move_from_another_d
     m = json.loads((moved / "metrics.json").read_text())
     assert [_row(moved, f"after_task_{k}") for k in range(2)] == m["acc_matrix"]
     assert not list(other.iterdir())  # nothing written where it was started
+
+
+def _start(cfg, **env):
+    import subprocess
+    import sys
+
+    from conftest import ROOT, free_port, run_env
+
+    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+           str(FAULTY), "--config", str(cfg)]
+    return subprocess.Popen(cmd, cwd=ROOT, env=run_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def _wait_for(path, timeout=180):
+    import time
+
+    end = time.time() + timeout
+    while time.time() < end:
+        if path.exists() and path.stat().st_size > 0:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{path} did not appear")
+
+
+def test_one_live_launch_per_run_dir_and_a_killed_one_leaves_no_lock(assets, work, reference_run):
+    """A second 2-rank launch on a run directory in use stops at once naming the first (its pid); the first
+    finishes with the uninterrupted run's matrix. After a SIGKILL of every process of a launch, a new launch
+    takes the directory over with no manual step and ends with the same matrix."""
+    import os
+    import signal
+    import time
+
+    _, ref_dir, _ = reference_run
+    ref = json.loads((ref_dir / "metrics.json").read_text())["acc_matrix"]
+    cfg = tiny_config(assets, work, "locked")
+    run_dir = work / "runs" / "locked"
+    first = _start(cfg, MCIT_TEST_PAUSE="0:2:45")  # a slow first run: 45 s asleep after task 0 step 2
+    _wait_for(run_dir / "logs" / "train.jsonl")
+    holder = json.loads((run_dir / "run.lock").read_text())
+    t0 = time.time()
+    second = launch(["--config", str(cfg)], launcher="deepspeed", nproc=2)
+    took = time.time() - t0
+    out, err = first.communicate(timeout=600)
+    assert second.returncode == 2, second.stderr[-2000:]
+    line = [ln for ln in second.stderr.splitlines() if ln.startswith("error:")]
+    assert len(line) == 1 and f"run directory {run_dir} is in use by another launch" in line[0]
+    assert f"pid {holder['pid']}" in line[0] and holder["host"] in line[0]
+    assert took < 90, took  # the launcher's start-up and one all-reduce, no training
+    assert first.returncode == 0, err[-2000:]
+    assert json.loads((run_dir / "metrics.json").read_text())["acc_matrix"] == ref
+
+    cfg = tiny_config(assets, work, "locked_kill")
+    run_dir = work / "runs" / "locked_kill"
+    victim = _start(cfg, MCIT_TEST_PAUSE="0:2:60")
+    _wait_for(run_dir / "logs" / "train.jsonl")  # killed while training (asleep after step 2)
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.communicate(timeout=60)
+    res = launch(["--config", str(cfg)], launcher="deepspeed", nproc=2)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert json.loads((run_dir / "metrics.json").read_text())["acc_matrix"] == ref

@@ -11,6 +11,9 @@ barrier, so all of them reach the step) or only to ``rank`` (``*`` = every rank)
 
 makes the loss of optimizer step ``step`` of task ``task`` NaN (or inf) on every rank or on ``rank`` alone,
 once (the first micro-batch of that step), through the test-only seam ``mcit.engine.on_loss``.
+
+    MCIT_TEST_PAUSE=task:step:seconds  sleeps on every rank after that optimizer step (a slow run, results
+    unchanged).
 """
 
 from __future__ import annotations
@@ -62,7 +65,21 @@ def install_nonfinite(spec: str) -> None:
         return loss
 
 
+def install_pause(spec: str) -> None:
+    task, step, seconds = spec.split(":")
+    import time
+
+    from mcit.engine import on_optimizer_step
+
+    @on_optimizer_step
+    def pause(t: int, gstep: int, engine: object) -> None:
+        if (t, gstep) == (int(task), int(step)):
+            time.sleep(float(seconds))
+
+
 if __name__ == "__main__":
+    if os.environ.get("MCIT_TEST_PAUSE"):
+        install_pause(os.environ["MCIT_TEST_PAUSE"])
     if os.environ.get("MCIT_TEST_FAULT"):
         install(os.environ["MCIT_TEST_FAULT"])
     if os.environ.get("MCIT_TEST_NONFINITE"):
