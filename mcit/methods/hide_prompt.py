@@ -183,6 +183,8 @@ class HiDePrompt(Method):
         else:
             means = self.prompted_mean[self.seen]
         m = torch.cat([means.to(feats), feats], dim=0)
+        if m.shape[0] == 0:  # a micro-batch of padding alone before any class is stored (only this pipeline's
+            return feats.sum() * 0.0  # padding makes one): 0, not the NaN mean of an empty cross-entropy
         sim = m @ m.t() / self.params.reg_temperature
         return F.cross_entropy(sim, torch.arange(m.shape[0], device=m.device))
 

@@ -585,3 +585,12 @@ def test_collate_normalises_on_the_cpu_after_the_model_moved(backbone):
     out = moved.preprocess(ims)
     assert out.device.type == "cpu" and torch.equal(out, ref)
     assert not torch.equal(ref, backbone.preprocess(ims[::-1]))
+
+
+def test_hide_prompt_regularizer_is_zero_on_a_padding_only_micro_batch(backbone, sequence):
+    """A rank whose micro-batch is all padding (the other rank holds the last real samples) before any class
+    mean is stored: the contrastive term has no rows. It was the NaN of an empty cross-entropy, which the
+    non-finite guard (rightly) stopped a 2-rank HiDe run on; it is 0."""
+    m = _build("hide_prompt", backbone, sequence)
+    out = m.contrastive(torch.zeros(0, backbone.hidden_size, requires_grad=True))
+    assert torch.isfinite(out) and float(out) == 0.0
