@@ -114,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - e.g. a method's own check: one line from rank 0, not a traceback per rank
         _unexpected(e, plan.run_dir)
         return 1
+    finally:
+        lock.release()  # also dropped by the kernel if this process dies first
     if dist.is_main():
         print(summary_text(metrics, plan.run_dir))
     dist.shutdown()
