@@ -268,6 +268,7 @@ def yaml_problem(e: yaml.YAMLError) -> str:
         return problem
     return str(e).splitlines()[0]
 
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """``a.b.c=value`` -> (["a","b","c"], value parsed as YAML)."""
     if "=" not in text:
