@@ -14,11 +14,14 @@ import socket
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+
+T = TypeVar("T")
 
 
 def free_port() -> int:
@@ -184,6 +187,29 @@ def all_ok(ok: bool) -> bool:
     t = torch.tensor([0 if ok else 1], dtype=torch.int64)
     all_reduce_sum(t)
     return int(t.item()) == 0
+
+
+class PeerFailed(RuntimeError):
+    """Raised on the other ranks when rank 0's own part of a step failed (rank 0 raises, and reports, the cause)."""
+
+
+def on_main(fn: Callable[[], T]) -> T | None:
+    """``fn()`` on rank 0 only (its files: rows, checkpoints, the state file), then one all-reduce so every
+    rank knows whether it worked. Without it a full disk on rank 0 raised there while the other ranks waited
+    at the next barrier until the collective timeout; now rank 0 re-raises its error (one line names the
+    file) and the others raise :class:`PeerFailed` at once. Returns ``fn()``'s value on rank 0."""
+    err: BaseException | None = None
+    out = None
+    if is_main():
+        try:
+            out = fn()
+        except Exception as e:  # noqa: BLE001 - any failure must reach the other ranks
+            err = e
+    if not all_ok(err is None):
+        if err is not None:
+            raise err
+        raise PeerFailed("rank 0 failed (it reports why)")
+    return out
 
 
 def shutdown() -> None:

@@ -22,7 +22,7 @@ import torch
 
 from mcit import distributed as dist
 from mcit import preemption
-from mcit.checkpoint import atomic_write_text
+from mcit.checkpoint import WriteError, atomic_write_text
 from mcit.config import RunConfig
 from mcit.data.loader import global_valid, micro_steps_per_epoch, rank_counts, train_batches
 from mcit.data.shards import Split
@@ -92,10 +92,18 @@ class JsonlLogger:
                     self.tb = None
 
     def log(self, record: dict[str, Any], step: int | None = None) -> None:
+        """Append one record. A log that cannot be written (full disk) is not a reason to lose the run: one
+        warning, logging stops, and the next checkpoint or state write stops the run naming the file."""
         if self.path is None:
             return
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        try:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as e:
+            print(f"warning: cannot append to {self.path} ({e.strerror}); the training log stops here",
+                  file=sys.stderr, flush=True)
+            self.path = None
+            return
         if self.tb is not None and step is not None:
             for k, v in record.items():
                 if isinstance(v, (int, float)) and k not in ("task", "epoch", "step"):
@@ -409,14 +417,26 @@ class TaskTrainer:
         return state
 
     def _save_step(self, engine: Any, step_dir: Path, gstep: int, epoch: int, next_micro: int, world: int) -> None:
+        """Every rank writes its part of the DeepSpeed checkpoint; once all parts are there (agreed by one
+        all-reduce, so a rank whose disk is full stops every rank at once), rank 0 names it in
+        ``committed.json``, the step a resume starts from, and drops the previous one."""
         tag = f"step{gstep:08d}"
-        engine.save_checkpoint(str(step_dir), tag=tag, save_latest=False)
-        dist.barrier()
-        if dist.is_main():
+        err: WriteError | None = None
+        try:
+            engine.save_checkpoint(str(step_dir), tag=tag, save_latest=False)
+        except OSError as e:
+            err = e if isinstance(e, WriteError) else WriteError(Path(e.filename or step_dir / tag), e)
+        if not dist.all_ok(err is None):
+            if err is not None:
+                raise err
+            raise dist.PeerFailed("another rank could not write its step checkpoint (it reports why)")
+
+        def commit() -> None:
             committed = step_dir / COMMITTED
             prev = json.loads(committed.read_text())["tag"] if committed.is_file() else None
             atomic_write_text(committed, json.dumps({"tag": tag, "epoch": epoch, "next_micro_step": next_micro,
                                                      "global_step": gstep, "world_size": world}))
             if prev and prev != tag:
                 shutil.rmtree(step_dir / prev, ignore_errors=True)
-        dist.barrier()
+
+        dist.on_main(commit)

@@ -147,14 +147,15 @@ def evaluate_generation(method: Method, splits: list[Split], *, batch_size: int,
         name = f"{file_ids[i] if file_ids else i}"
         if corpus:  # rank 0 runs the metric; every rank gets its value
             value, table = dist.broadcast_object(C.score_rows(scorers[i], gathered) if dist.is_main() else None)
-            if dist.is_main() and answers_dir is not None:
-                atomic_write_text(answers_dir / f"{name}.metrics.json", json.dumps(
-                    {"scorer": scorers[i], "score": value, "metrics": table, "samples": len(gathered)}, indent=1))
+            if answers_dir is not None:
+                dist.on_main(lambda: atomic_write_text(answers_dir / f"{name}.metrics.json", json.dumps(
+                    {"scorer": scorers[i], "score": value, "metrics": table, "samples": len(gathered)}, indent=1)))
             total = value * len(gathered)
         else:
             total = float(sum(r["score"] for r in gathered))
-        if dist.is_main() and answers_dir is not None:
-            atomic_write_text(answers_dir / f"{name}.jsonl", "".join(json.dumps(r) + "\n" for r in gathered))
+        if answers_dir is not None:
+            dist.on_main(lambda: atomic_write_text(answers_dir / f"{name}.jsonl",
+                                                   "".join(json.dumps(r) + "\n" for r in gathered)))
         out.append((float(total), len(gathered)))
     if bar is not None:
         bar.close()

@@ -89,10 +89,14 @@ def heatmap(path: Path, tasks: list[str], acc: list[list[float]], title: str) ->
     fig.colorbar(im, ax=ax, label="accuracy (%)")
     ax.set_title(title)
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=100)
+    import io
+
+    from mcit.checkpoint import atomic_write_bytes
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
     plt.close(fig)
-    tmp.replace(path)
+    atomic_write_bytes(path, buf.getvalue())
 
 
 def report_markdown(name: str, method: str, backbone: str, tasks: list[str], counts: list[int],

@@ -69,22 +69,24 @@ class Pipeline:
 
     # -- bookkeeping --------------------------------------------------------------------------------
     def _mark(self, key: str, **extra: Any) -> None:
-        self.state["completed"].append(key)
-        self.state.update(extra)
-        self.state["updated"] = time.time()
-        if dist.is_main():
-            write_json(self.run_dir.state, self.state)
+        """Record ``key`` as done: state.json is written after the stage's own outputs, by rename, so a run
+        stopped before this line (or a write of it that failed) re-runs the stage."""
+        state = {**self.state, **extra, "completed": [*self.state["completed"], key], "updated": time.time()}
+
+        def write() -> None:
+            write_json(self.run_dir.state, state)
             self.logger.log({"event": "stage", "stage": key, "time": time.time()})
-        dist.barrier()
+
+        dist.on_main(write)
+        self.state = state
 
     def _say(self, text: str) -> None:
         if dist.is_main():
             print(text, file=sys.stderr, flush=True)
 
     def _save_current(self, key: str) -> str:
-        if dist.is_main():
-            save_state(self.run_dir.current_state, self.host.method.state_dict(), {"after_stage": key})
-        dist.barrier()
+        state = self.host.method.state_dict() if dist.is_main() else None
+        dist.on_main(lambda: save_state(self.run_dir.current_state, state, {"after_stage": key}))
         return RunDir.CURRENT_STATE
 
     def _stream(self, split: Split, collate: Any, task: int) -> None:
@@ -107,8 +109,7 @@ class Pipeline:
     def stage_zero_shot(self) -> None:
         with self.host.zero_shot():
             row = evaluate_row(self.host, trained=0, answers_dir=self.run_dir.answers(None), desc="zero-shot eval")
-        if dist.is_main():
-            write_json(self.run_dir.row(None), row)
+        dist.on_main(lambda: write_json(self.run_dir.row(None), row))
         self._mark("zero_shot")
 
     def stage_train(self, t: int, phase: str = "") -> None:
@@ -134,12 +135,11 @@ class Pipeline:
         self.host.enter_eval(t)  # also when a resumed run starts at this stage
         row = evaluate_row(self.host, trained=t + 1, answers_dir=self.run_dir.answers(t), desc=f"task {t} eval")
         row["first_task_loss"] = first_task_loss(self.host)
-        if dist.is_main():
-            write_json(self.run_dir.row(t), row)
+        dist.on_main(lambda: write_json(self.run_dir.row(t), row))
         self._mark(f"{t}/eval")
 
     def stage_commit(self, t: int) -> None:
-        if dist.is_main():
+        def write() -> None:
             state = self.host.method.state_dict()
             save_state(self.run_dir.task_state(t), state,
                        {"task": t, "task_name": self.plan.names[t], "method": self.cfg.method.name})
@@ -150,19 +150,20 @@ class Pipeline:
             write_metrics(self.plan, done=t + 1)
             for steps in self.run_dir.step_dirs(t):
                 shutil.rmtree(steps, ignore_errors=True)
-        dist.barrier()
+
+        dist.on_main(write)
         self._mark(f"{t}/commit")
 
     # -- the loop -----------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         rd = self.run_dir
-        if dist.is_main():
-            rd.root.mkdir(parents=True, exist_ok=True)
+        def start() -> None:
             if not rd.config.is_file():
                 atomic_write_text(rd.config, dump_config(self.cfg))
             if not rd.backbone.is_file():
                 write_json(rd.backbone, self.plan.backbone_records())
-        dist.barrier()
+
+        dist.on_main(start)
         self.state = rd.read_state() or self.state
         self.logger = JsonlLogger(rd.train_log if dist.is_main() else None, rd.tensorboard)
         self.host.build()
@@ -194,10 +195,8 @@ class Pipeline:
                 acc, _, _ = rows(self.plan, int(t) + 1)
                 self._say(f"task {t} ({self.plan.names[int(t)]}) committed: acc on seen tasks "
                           + " ".join(f"{a:.1f}" for a in acc[-1][: int(t) + 1]))
+        dist.on_main(lambda: write_json(rd.state, {**self.state, "finished": True}))
         self.state["finished"] = True
-        if dist.is_main():
-            write_json(rd.state, self.state)
-        dist.barrier()
         if self.logger:
             self.logger.close()
         return read_json(rd.metrics)
@@ -234,7 +233,7 @@ def write_metrics(plan: Plan, done: int) -> dict[str, Any]:
     write_json(rd.metrics, out)
     if done == T:
         M.heatmap(rd.heatmap, plan.names, acc, f"{cfg.name} ({cfg.method.name})")
-        rd.report.write_text(M.report_markdown(cfg.name, cfg.method.name, cfg.backbone.tag, plan.names, counts, acc,
+        atomic_write_text(rd.report, M.report_markdown(cfg.name, cfg.method.name, cfg.backbone.tag, plan.names, counts, acc,
                                                zs, m, out["backbone_sha256"], heatmap_file=rd.heatmap.name))
     return out
 

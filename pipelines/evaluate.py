@@ -91,7 +91,16 @@ def main(argv: list[str] | None = None) -> int:
                 return fail(f"--tasks: unknown task {t!r}; the run has {', '.join(names)}")
     if args.write_rows and tasks != list(range(len(names))):
         return fail("--write-rows needs every task evaluated (leave out --tasks)")
-    return evaluate(plan, ks, tasks, zero_shot=args.zero_shot, write_rows=args.write_rows)
+    from mcit.checkpoint import WriteError
+    from mcit.distributed import PeerFailed
+
+    try:
+        return evaluate(plan, ks, tasks, zero_shot=args.zero_shot, write_rows=args.write_rows)
+    except WriteError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except PeerFailed:  # rank 0 says why
+        return 1
 
 
 def evaluate(plan: Any, ks: list[int], tasks: list[int], *, zero_shot: bool, write_rows: bool) -> int:
@@ -120,11 +129,13 @@ def evaluate(plan: Any, ks: list[int], tasks: list[int], *, zero_shot: bool, wri
             row = evaluate_row(host, trained=k + 1, tasks=tasks, answers_dir=run.answers(k, evaluate_only=True),
                                desc=f"after task {k}")
             row["first_task_loss"] = first_task_loss(host)
-        if dist.is_main():
+        def write(k: int | None = k, row: dict = row) -> None:
             write_json(run.row(k, evaluate_only=True), {**row, "tasks": [plan.names[i] for i in tasks],
                                                          "checkpoint": k, "world_size": dist.world_size()})
             if write_rows:
                 write_json(run.row(k), row)
+
+        dist.on_main(write)
         results.append((row_tag(k), row["acc"]))
     if dist.is_main():
         print(f"== {plan.cfg.name} · {run.root} · evaluated on {dist.world_size()} process(es) ==")

@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from mcit import distributed as dist
     from mcit import preemption
+    from mcit.checkpoint import WriteError
     from mcit.engine import NonFiniteError
     from mcit.pipeline import CollectiveError
 
@@ -110,6 +111,13 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteError as e:  # every rank agreed on it: one line
         if dist.is_main():
             print(f"error: {e}", file=sys.stderr)
+        return 1
+    except WriteError as e:  # rank 0's files, or one rank's step checkpoint: the ranks agreed to stop
+        done = (plan.run.read_state() or {}).get("completed") or ["nothing"]
+        print(f"error: {e}; state.json still ends at stage {done[-1]}: free space (or fix the permissions) and "
+              f"re-run the same command to resume", file=sys.stderr)
+        return 1
+    except dist.PeerFailed:  # the rank that failed says why
         return 1
     except Exception as e:  # noqa: BLE001 - e.g. a method's own check: one line from rank 0, not a traceback per rank
         _unexpected(e, plan.run_dir)

@@ -140,7 +140,8 @@ def run_env(**extra: str) -> dict[str, str]:
     else:
         env["DS_ACCELERATOR"] = os.environ["MCIT_TEST_ACCELERATOR"]
     env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
-    for var in ("MCIT_TEST_FAULT", "MCIT_TEST_NONFINITE", "MCIT_TEST_PAUSE", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+    for var in ("MCIT_TEST_FAULT", "MCIT_TEST_NONFINITE", "MCIT_TEST_PAUSE", "MCIT_TEST_WRITE_FAIL",
+                "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)  # an in-process test may have initialised a process group
     env.update(extra)
     return env

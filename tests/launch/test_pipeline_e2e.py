@@ -382,6 +382,62 @@ def test_nonfinite_skip_drops_the_micro_batch_and_counts_it(assets, work):
                                    "more than train.max_nonfinite_steps=0" in res.stderr, res.stderr[-2000:]
 
 
+def test_failed_writes_stop_in_one_line_and_the_run_resumes(assets, work, reference_run):
+    """A full disk, a read-only file system and a permission error while writing an eval row, a task
+    checkpoint and the state file (OSError injected through the test-only seam mcit.checkpoint.on_write, on
+    rank 0 of 2): one line naming the file, no temp file left, state.json still at the last completed stage,
+    and plain re-runs resume to the uninterrupted run's matrix."""
+    _, ref_dir, _ = reference_run
+    cfg = tiny_config(assets, work, "write_fail")
+    run_dir = work / "runs" / "write_fail"
+    cases = [("eval/after_task_0.json", "ENOSPC", "No space left on device", "0/subspace"),
+             ("checkpoints/task_1/method.safetensors", "EROFS", "Read-only file system", "1/eval"),
+             ("state.json", "EACCES", "Permission denied", "1/eval")]  # the write that would record 1/commit
+    for suffix, code, text, last in cases:
+        res = launch(["--config", str(cfg)], launcher="deepspeed", nproc=2, entry=FAULTY,
+                     MCIT_TEST_WRITE_FAIL=f"{suffix}:{code}")
+        assert res.returncode == 1, res.stdout[-2000:] + res.stderr[-2000:]
+        errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error")]
+        assert errors == [f"error: cannot write {run_dir / suffix}: {text} ({code}); state.json still ends at "
+                          f"stage {last}: free space (or fix the permissions) and re-run the same command to "
+                          f"resume"], res.stderr[-3000:]
+        assert "Traceback" not in res.stderr and "collective" not in res.stderr
+        assert json.loads((run_dir / "state.json").read_text())["completed"][-1] == last
+        assert not [p for p in run_dir.rglob(".*.tmp*")]
+        if code == "EROFS":  # the step checkpoints stay until the task's export is written
+            assert (run_dir / "checkpoints/task_1/steps/committed.json").is_file()
+    res = launch(["--config", str(cfg)], launcher="deepspeed", nproc=2)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    got = json.loads((run_dir / "metrics.json").read_text())
+    assert got["acc_matrix"] == json.loads((ref_dir / "metrics.json").read_text())["acc_matrix"]
+
+
+def test_the_loss_is_the_mean_over_every_rank_s_samples(assets, work):
+    """One SGD step over all of task 0 (281 samples; 2 ranks get whole shards: 160 and 121) gives the weights
+    one process gives: the per-sample losses are summed and divided by the real samples over all ranks.
+    Dividing by each rank's own count (then DeepSpeed's average) weights rank 1's samples 160/121 higher."""
+    from safetensors.torch import load_file
+
+    from mcit.data.loader import rank_counts
+    from mcit.data.shards import open_split
+
+    assert rank_counts(open_split(assets["shards"] / "task0" / "train"), 2, "auto") == [160, 121]
+    got = {}
+    for nproc in (1, 2):
+        name = f"global_mean_{nproc}"
+        cfg = tiny_config(assets, work, name, data={"tasks": ["task0"]}, eval={"zero_shot": False, "batch_size": 50},
+                          train={"epochs": 1, "batch_size": 288, "optimizer": "sgd", "lr": 0.5, "progress": False,
+                                 "deepspeed_config": "deepspeed_configs/zero2.json"})
+        res = launch(["--config", str(cfg)], launcher="python" if nproc == 1 else "deepspeed", nproc=nproc)
+        assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+        got[nproc] = load_file(str(work / "runs" / name / "checkpoints/task_0/method.safetensors"))
+    import torch
+
+    assert set(got[1]) == set(got[2]) and got[1]
+    for k in got[1]:
+        assert torch.allclose(got[2][k].double(), got[1][k].double(), rtol=1e-5, atol=1e-6), k
+
+
 def test_backbone_with_a_nan_weight_stops_at_the_first_step(assets, work):
     """A backbone checkpoint with NaN in one weight tensor used to train every task and commit 0.0 everywhere."""
     from safetensors.torch import load_file, save_file

@@ -12,6 +12,9 @@ barrier, so all of them reach the step) or only to ``rank`` (``*`` = every rank)
 makes the loss of optimizer step ``step`` of task ``task`` NaN (or inf) on every rank or on ``rank`` alone,
 once (the first micro-batch of that step), through the test-only seam ``mcit.engine.on_loss``.
 
+    MCIT_TEST_WRITE_FAIL=relative/path[:ERRNO]  makes the first write of a file whose path ends with
+    ``relative/path`` fail with OSError(ERRNO) (default ENOSPC), through ``mcit.checkpoint.on_write``.
+
     MCIT_TEST_PAUSE=task:step:seconds  sleeps on every rank after that optimizer step (a slow run, results
     unchanged).
 """
@@ -77,7 +80,26 @@ def install_pause(spec: str) -> None:
             time.sleep(float(seconds))
 
 
+def install_write_fail(spec: str) -> None:
+    import errno
+
+    suffix, _, name = spec.partition(":")
+    code = getattr(errno, name or "ENOSPC")
+
+    from mcit.checkpoint import on_write
+
+    fired = []
+
+    @on_write
+    def fail(path: Path) -> None:
+        if not fired and path.as_posix().endswith(suffix):
+            fired.append(True)
+            raise OSError(code, os.strerror(code))
+
+
 if __name__ == "__main__":
+    if os.environ.get("MCIT_TEST_WRITE_FAIL"):
+        install_write_fail(os.environ["MCIT_TEST_WRITE_FAIL"])
     if os.environ.get("MCIT_TEST_PAUSE"):
         install_pause(os.environ["MCIT_TEST_PAUSE"])
     if os.environ.get("MCIT_TEST_FAULT"):
