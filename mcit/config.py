@@ -107,7 +107,13 @@ class DataConfig(_Strict):
             if isinstance(item, str):
                 if self.root is None:
                     raise ConfigError(f"data.tasks: task {item!r} is a bare name but data.root is not set")
-                root = Path(self.root)
+                root = Path(self.root) if Path(self.root).is_absolute() else base / self.root
+                if not root.is_dir():
+                    raise ConfigError(f"data.root: directory not found: {root}")
+                if not (root / item).is_dir():
+                    have = sorted(p.name for p in root.iterdir() if (p / "train").is_dir())
+                    raise ConfigError(f"data.tasks: no task {item!r} under data.root {root} "
+                                      f"(it has: {', '.join(have) or 'none'})")
                 spec = TaskSpec(name=item, train=str(root / item / "train"), test=str(root / item / "test"))
             else:
                 spec = item

@@ -44,6 +44,7 @@ def build_ds_config(cfg: RunConfig, world: int) -> dict[str, Any]:
     path = resolve_ds_config_path(cfg.train.deepspeed_config)
     ds = json.loads(path.read_text())
     t = cfg.train
+    _refuse_owned_keys(ds, path, cfg, world)
     ds["train_micro_batch_size_per_gpu"] = t.batch_size
     ds["gradient_accumulation_steps"] = t.grad_accum
     ds["train_batch_size"] = t.batch_size * t.grad_accum * world
@@ -59,6 +60,29 @@ def build_ds_config(cfg: RunConfig, world: int) -> dict[str, Any]:
             if params.get(k, "auto") == "auto":
                 params[k] = v
     return ds
+
+
+def _refuse_owned_keys(ds: dict[str, Any], path: Path, cfg: RunConfig, world: int) -> None:
+    """Batch sizes and clipping come from the run's config. A JSON value that disagrees used to be replaced
+    silently (a user's train_batch_size 7 trained with 16); now it stops the run. "auto" (or the same value)
+    is fine. train_batch_size counts every rank: before the process group exists (``world`` 1, pre-flight)
+    any multiple of batch_size x grad_accum is accepted, then the launched world must match it."""
+    t = cfg.train
+    per_rank = t.batch_size * t.grad_accum
+    owned = {"train_micro_batch_size_per_gpu": ("train.batch_size", t.batch_size),
+             "gradient_accumulation_steps": ("train.grad_accum", t.grad_accum),
+             "gradient_clipping": ("train.grad_clip", t.grad_clip)}
+    for key, (source, want) in owned.items():
+        got = ds.get(key, "auto")
+        if got != "auto" and got != want:
+            raise ValueError(f"{path} sets {key} {got!r} but the run's {source} is {want!r}: batch sizes and "
+                             f"clipping come from the config (remove the key or set it to \"auto\")")
+    got = ds.get("train_batch_size", "auto")
+    ok = got == "auto" or (isinstance(got, int) and got % per_rank == 0 and got >= per_rank
+                           and (world == 1 or got == per_rank * world))
+    if not ok:
+        raise ValueError(f"{path} sets train_batch_size {got!r} but the run's train.batch_size x train.grad_accum "
+                         f"x ranks is {per_rank} x {world}: remove the key or set it to \"auto\"")
 
 
 def make_optimizer(cfg: RunConfig, params: list) -> torch.optim.Optimizer:

@@ -139,6 +139,8 @@ def preflight(cfg: RunConfig, base: Path | None = None, *, run_dir: Path | None 
         ds = build_ds_config(cfg, world)
     except json.JSONDecodeError as e:
         raise ConfigError(f"train.deepspeed_config: {ds_path} is not valid JSON ({e})") from None
+    except ValueError as e:  # a batch size or clipping value that disagrees with the config
+        raise ConfigError(f"train.deepspeed_config: {e}") from None
     check_ds_config(ds, ds_path)
     bb = cfg.backbone
     generative = bb.task_type == "generation"

@@ -185,14 +185,25 @@ class RunDir:
         return sorted(int(p.parent.name.split("_", 1)[1]) for p in self.root.glob("checkpoints/task_*/method.safetensors"))
 
     # -- status ----------------------------------------------------------------------------------------
+    def _json(self, path: Path) -> Any:
+        """A run file's JSON; one that is not (edited by hand, written by something else) is named."""
+        try:
+            return json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise RunDirError(f"{path} is not valid JSON ({e}): the run writes it by rename, so something else "
+                              f"changed it; restore it, or start again in another run_dir") from None
+
     def read_state(self) -> dict[str, Any] | None:
-        return json.loads(self.state.read_text()) if self.state.is_file() else None
+        st = self._json(self.state) if self.state.is_file() else None
+        if st is not None and not (isinstance(st, dict) and isinstance(st.get("completed", []), list)):
+            raise RunDirError(f"{self.state} does not hold a run's state (a mapping with a 'completed' list)")
+        return st
 
     def finished_metrics(self) -> dict[str, Any] | None:
         """metrics.json of a finished run, else None."""
         st = self.read_state()
         if st and st.get("finished") and self.metrics.is_file():
-            return json.loads(self.metrics.read_text())
+            return self._json(self.metrics)
         return None
 
     def check_belongs_to(self, cfg: Any) -> None:

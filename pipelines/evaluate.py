@@ -55,10 +55,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {msg}", file=sys.stderr)
         return 2
 
+    if args.batch_size is not None and args.batch_size < 1:
+        return fail(f"--batch-size must be at least 1, got {args.batch_size}")
     run = RunDir(args.run.resolve())
     if not run.config.is_file():
         return fail(f"{run.root} is not a run directory (no config.yaml)")
-    overrides = [f"eval.batch_size={args.batch_size}"] if args.batch_size else []
+    overrides = [f"eval.batch_size={args.batch_size}"] if args.batch_size is not None else []
     try:
         plan = preflight(load_config(run.config, overrides), run_dir=run.root)
     except (ConfigError, DataError, BackboneError) as e:

@@ -177,7 +177,7 @@ def run_main(args: list[str], entry: str = "run_task_sequence") -> subprocess.Co
     import importlib
     import io
 
-    main = importlib.import_module(f"pipelines.{entry}").main
+    main = importlib.import_module(entry if "." in entry else f"pipelines.{entry}").main  # or data_prep.<converter>
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:

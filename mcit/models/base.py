@@ -92,7 +92,11 @@ def backbone_class(kind: str) -> type[Backbone]:
 
 
 def load_backbone(kind: str, path: str | Path, dtype: torch.dtype = torch.float32, **options: Any) -> Backbone:
-    """The registered backbone ``kind`` from ``path``; ``options`` are its ``load_options``."""
+    """The registered backbone ``kind`` from ``path``; ``options`` are its ``load_options``. transformers'
+    "Loading weights" bar is turned off: one per rank per model said nothing the pipeline's own lines do not."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     return backbone_class(kind).from_path(path, dtype=dtype, **options)
 
 
