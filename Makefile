@@ -9,7 +9,7 @@ CIL_METHODS  ?= seq l2p l2p_pgp dualprompt dualprompt_pgp coda_prompt hide_promp
 CIL_CONFIGS  ?= $(foreach m,$(CIL_METHODS),configs/digits_$(m).yaml)
 RUN := PATH=$(abspath $(BIN)):$$PATH DS_ACCELERATOR=cpu CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1
 
-.PHONY: install data data-cil demo demo-cil study-cil sweep-demo test test-unit bench clean clean-data
+.PHONY: install data data-cil demo demo-cil study-cil sweep-demo test test-unit mutate bench clean clean-data
 
 install: $(VENV)/.installed
 
@@ -89,6 +89,13 @@ test-unit: install
 # are built once): most tests wait on launched processes, so this is ~35% faster on 2 cores.
 test: install
 	PATH=$(abspath $(BIN)):$$PATH DS_ACCELERATOR=cpu CUDA_VISIBLE_DEVICES= $(BIN)/python -m pytest -q -n 2 --dist loadfile tests
+
+# Mutation testing of the core modules against the in-process tests (settings: [tool.mutmut] in pyproject.toml).
+# Not part of `make test`: it runs those tests once per mutant. Survivors: `$(BIN)/mutmut results`.
+mutate: install
+	$(BIN)/pip install -q --disable-pip-version-check -e ".[mutate]" torch==2.13.0
+	rm -rf mutants
+	$(RUN) $(BIN)/mutmut run; $(BIN)/mutmut results
 
 bench: data-cil data
 	PATH=$(abspath $(BIN)):$$PATH DS_ACCELERATOR=cpu CUDA_VISIBLE_DEVICES= $(BIN)/python bench/engine_throughput.py

@@ -223,7 +223,8 @@ class RunConfig(_Strict):
         directory and after the run directory is moved. data.root, data.reference, the tasks' train / test
         and backbone.cache_dir always; backbone.path, backbone.tokenizer and train.deepspeed_config only where
         that path exists under ``base`` (else they stay as given: a hub id, or a DeepSpeed JSON of the
-        repository's deepspeed_configs/). run_dir is left as given: it names where this launch writes."""
+        repository's deepspeed_configs/), and so a method's fields marked ``input_path`` (STAR-Prompt's
+        method.clip_path). run_dir is left as given: it names where this launch writes."""
         c = self.model_copy(deep=True)
 
         def absolute(p: str | None, only_existing: bool = False) -> str | None:
@@ -240,6 +241,14 @@ class RunConfig(_Strict):
         c.backbone.tokenizer = absolute(c.backbone.tokenizer, only_existing=True)
         c.backbone.cache_dir = absolute(c.backbone.cache_dir)
         c.train.deepspeed_config = absolute(c.train.deepspeed_config, only_existing=True)
+        # a method's own input paths (STAR-Prompt's CLIP): its Params fields marked json_schema_extra input_path
+        from mcit.registry import METHODS
+
+        extra = c.method.model_extra or {}
+        for key, f in METHODS.get(c.method.name).Params.model_fields.items():
+            if isinstance(f.json_schema_extra, dict) and f.json_schema_extra.get("input_path") \
+                    and isinstance(extra.get(key), str):
+                extra[key] = absolute(extra[key], only_existing=True)
         return c
 
 

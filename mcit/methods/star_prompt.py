@@ -52,10 +52,11 @@ from mcit.registry import METHODS
 
 class STARPromptParams(MethodParams):
     clip_path: str = Field(..., description="the first level's CLIP (official: OpenAI ViT-L/14): an HF directory, "
-                                            "or the original file for a zoo clip_tag")
+                                            "or the original file for a zoo clip_tag", json_schema_extra={"input_path": True})
     clip_tag: str = Field("local", description="backbone zoo tag of clip_path (e.g. clip_vitl14_openai), or a label "
                                               "for an HF directory; recorded with its sha256 in backbone.json")
-    clip_tokenizer: str | None = Field(None, description="clip_path an OpenAI file: a directory with its tokenizer")
+    clip_tokenizer: str | None = Field(None, description="clip_path an OpenAI file: a directory with its tokenizer",
+                                       json_schema_extra={"input_path": True})
     prompt_layers: LayerList | None = Field(None, description="ViT blocks with residual prompts; default all")
     confidence_modulation: bool = True
     map_mask_gradient: Literal["all_current", "selected"] = Field(

@@ -133,3 +133,20 @@ def test_a_run_dir_written_before_a_new_config_key_still_resumes(tmp_path):
     (run_dir / "config.yaml").write_text(yaml.safe_dump(old, sort_keys=False))
     with pytest.raises(RunDirError, match="holds a run with a different config"):
         RunDir(run_dir).check_belongs_to(cfg)
+
+
+def test_input_paths_are_kept_absolute_method_paths_included(tmp_path, monkeypatch):
+    """Relative input paths are relative to the launch directory and stored absolute (the run directory's
+    config.yaml then reads the same files from anywhere); STAR-Prompt's method.clip_path too when it exists
+    there; a hub-style id that does not exist stays as given; run_dir stays as given."""
+    (tmp_path / "ckpt" / "clip").mkdir(parents=True)
+    (tmp_path / "bb").mkdir()
+    monkeypatch.chdir(tmp_path)
+    data = {"backbone": {"path": "bb"}, "data": {"root": "d", "tasks": ["a"]}, "run_dir": "runs/x",
+            "method": {"name": "star_prompt", "clip_path": "ckpt/clip"}}
+    cfg = load_config(write(tmp_path, data))
+    assert cfg.method.params().clip_path == str(tmp_path / "ckpt" / "clip")
+    assert cfg.backbone.path == str(tmp_path / "bb") and cfg.data.root == str(tmp_path / "d")
+    assert cfg.run_dir == "runs/x"
+    data["method"]["clip_path"] = "openai/clip-vit-large-patch14"
+    assert load_config(write(tmp_path, data)).method.params().clip_path == "openai/clip-vit-large-patch14"
