@@ -4,7 +4,8 @@
 Same model (the demo's frozen tiny ViT + L2P prompts/keys/head), same batches (task0 of the embedded
 digits benchmark, decoded once into memory), same optimizer (Adam). The engine path is exactly what
 the train stage runs per step: ``mcit.engine.setup_engine`` + ``mcit.engine.train_step`` (DeepSpeed
-ZeRO-2, valid-weighted loss). The two paths alternate every few steps to share the machine's noise; the headline is
+ZeRO-2, valid-weighted loss, and the non-finite guard: one all-reduce of the loss and a host sync per
+micro-batch). The two paths alternate every few steps to share the machine's noise; the headline is
 the median of the per-round paired ratios (target >= 0.95); medians and best rounds are printed too.
 
     python bench/engine_throughput.py [--batch 64] [--steps 60] [--rounds 5] [--ds-config deepspeed_configs/zero2.json]
@@ -49,7 +50,7 @@ def main() -> int:
     from mcit.config import load_config
     from mcit.data.loader import eval_batches
     from mcit.data.shards import open_split
-    from mcit.engine import setup_engine, train_step
+    from mcit.engine import finite_loss_guard, setup_engine, train_step
     from mcit.data.types import Batch, TaskSequence
     from mcit.models.base import load_backbone
     from mcit.registry import METHODS
@@ -102,8 +103,8 @@ def main() -> int:
         loss.backward()
         opt.step()
 
-    def engine_step(b: Batch) -> None:
-        train_step(eng, b, scale)
+    def engine_step(b: Batch) -> None:  # as the train stage runs it: with the non-finite guard
+        train_step(eng, b, scale, lambda loss: finite_loss_guard(loss, 0, 0))
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 

@@ -311,6 +311,19 @@ def train_step(engine: Any, batch: Any, scale: float,
     return terms, boundary
 
 
+def finite_loss_guard(loss: torch.Tensor, task: int, step: int) -> torch.Tensor:
+    """The train stage's check before each backward: one all-reduce of the loss, so a NaN / inf on any rank
+    reaches every rank and all stop (or skip) together. bench/engine_throughput.py times the engine step
+    with it."""
+    for seam in _loss_seams:
+        loss = seam(task, step, loss)
+    total = loss.detach().float().reshape(1).cpu().clone()
+    dist.all_reduce_sum(total)
+    if not math.isfinite(float(total)):
+        raise _NonFiniteLoss(float(total))
+    return loss
+
+
 class TaskTrainer:
     """Trains one task: the pipeline's train stage (the method's hooks are called around it by mcit.lifecycle)."""
 
@@ -361,14 +374,7 @@ class TaskTrainer:
         skipped = 0
 
         def check(loss: torch.Tensor) -> torch.Tensor:
-            """One all-reduce of the loss: a NaN / inf on any rank reaches every rank, so all agree."""
-            for seam in _loss_seams:
-                loss = seam(task, gstep + 1, loss)
-            total = loss.detach().float().reshape(1).cpu().clone()
-            dist.all_reduce_sum(total)
-            if not math.isfinite(float(total)):
-                raise _NonFiniteLoss(float(total))
-            return loss
+            return finite_loss_guard(loss, task, gstep + 1)
 
         for epoch in range(epoch0, t.epochs):
             skip = micro0 if epoch == epoch0 else 0

@@ -351,16 +351,19 @@ def test_energy_basis_thresholds_are_inclusive_and_count_captured_energy():
       threshold is enough).
     * an existing basis e1 holds 4 = 0.4 x 10: at eps 0.4 nothing new is needed.
     * with e1 kept, eps 0.7 still needs 7 - 4 = 3, which e2 alone holds: exactly one new direction, e2
-      (not counting e1's energy would ask the residual 3 + 2 + 1 for all 7 and take every direction)."""
+      (not counting e1's energy would ask the residual 3 + 2 + 1 for all 7 and take every direction).
+    * all of it again at 1/1024 of the scale (trace 0.0098): energy fractions do not depend on units, so a
+      constant anywhere (an eigenvalue floor, a "nothing to do" threshold on the trace) shows here."""
     from mcit.subspace import energy_basis
 
-    cov = torch.diag(torch.tensor([4.0, 3.0, 2.0, 1.0], dtype=torch.float64))
-    assert energy_basis(cov, 0.7).shape == (4, 2)
-    e1 = torch.eye(4, dtype=torch.float64)[:, :1]
-    assert energy_basis(cov, 0.4, e1).shape == (4, 0)
-    new = energy_basis(cov, 0.7, e1)
-    assert new.shape == (4, 1) and torch.allclose(new[:, 0].abs(), torch.eye(4, dtype=torch.float64)[:, 1])
-    assert energy_basis(cov, 0.71, e1).shape == (4, 2)
+    for scale in (1.0, 2.0 ** -10):  # a power of two: the scaled sums stay exact
+        cov = torch.diag(torch.tensor([4.0, 3.0, 2.0, 1.0], dtype=torch.float64)) * scale
+        assert energy_basis(cov, 0.7).shape == (4, 2)
+        e1 = torch.eye(4, dtype=torch.float64)[:, :1]
+        assert energy_basis(cov, 0.4, e1).shape == (4, 0)
+        new = energy_basis(cov, 0.7, e1)
+        assert new.shape == (4, 1) and torch.allclose(new[:, 0].abs(), torch.eye(4, dtype=torch.float64)[:, 1])
+        assert energy_basis(cov, 0.71, e1).shape == (4, 2)
 
 
 def test_scorers_at_their_edges():
@@ -377,3 +380,30 @@ def test_scorers_at_their_edges():
     assert S.normalize("3.5") == "3.5" and S.normalize("It is 3.5.") == "it is 3.5"
     assert S.exact_match("3 5", {"answer": "3.5"}) == 0.0 and S.exact_match("35", {"answer": "3.5"}) == 0.0
     assert S.exact_match("3.5", {"answer": "3.5"}) == 1.0
+
+
+def test_box_iou_on_boxes_that_are_not_squares_at_the_origin():
+    """Every coordinate differs (x0 1, y0 2, x1 5, y1 10 against 3, 0, 9, 6), so reading one index for another
+    changes the value. By hand: the overlap is x 3..5 by y 2..6 = 8, the areas 4 x 8 = 32 and 6 x 6 = 36, the
+    union 60: IoU 8/60. Disjoint boxes give 0, a box with itself 1, two empty boxes (no union) 0."""
+    from mcit import scorers as S
+
+    a, b = [1.0, 2.0, 5.0, 10.0], [3.0, 0.0, 9.0, 6.0]
+    for iou in (S.box_iou, S._coin_iou):
+        assert iou(a, b) == pytest.approx(8 / 60) and iou(b, a) == pytest.approx(8 / 60)
+        assert iou(a, [6.0, 11.0, 7.0, 12.0]) == 0.0 and iou(a, a) == 1.0
+        assert iou([2.0, 2.0, 2.0, 2.0], [2.0, 2.0, 2.0, 2.0]) == 0.0
+
+
+def test_answer_normalisation_and_option_letters_at_their_edges():
+    """EvalAI's processing lower-cases, drops commas and question marks and splits "'s" off ("The Dog's ball,
+    ok?" is "dog 's ball ok"); newlines and tabs are spaces; "an" is an article like "a" and "the". An option
+    letter is read from "B. text", from a bare "B", from the first one-letter word, else "FAILED"."""
+    from mcit import scorers as S
+
+    assert S.evalai_normalise("The Dog's ball,\tok?\n") == "dog 's ball ok"
+    assert S.evalai_normalise("an apple") == S.evalai_normalise("apple") == "apple"
+    assert S.normalize("Two\ncats") == S.normalize("two cats")
+    assert S.coin_option_letter("B. a tree") == "B" and S.coin_option_letter("B") == "B"
+    assert S.coin_option_letter("B.") == "B"  # three characters are needed for "X. ": the word rule reads it
+    assert S.coin_option_letter("so c it is") == "C" and S.coin_option_letter("none of them") == "FAILED"
