@@ -132,6 +132,13 @@ def _write_config(cfg: dict, tmp: Path, name: str, sections: dict) -> Path:
     return path
 
 
+def snapshot(d: Path) -> dict[str, str]:
+    """Every file under ``d`` (relative path -> sha256): a run directory byte for byte."""
+    import hashlib
+
+    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
 def run_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")

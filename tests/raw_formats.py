@@ -32,8 +32,9 @@ def convert(module: str, *args: object) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(["python", "-m", f"data_prep.{module}", *argv], rc, out.getvalue(), err.getvalue())
 
 
-def cifar_raw(root, n_train=5, n_test=2, bad_label=False, duplicate=False):
-    """A cifar-100-python directory in the real pickle format (bytes keys, uint8 rows of 3072)."""
+def cifar_raw(root, n_train=5, n_test=2, bad_label=False, duplicate=False, test_without=None):
+    """A cifar-100-python directory in the real pickle format (bytes keys, uint8 rows of 3072); ``test_without``:
+    a key (e.g. b"fine_labels") the test pickle lacks."""
     root.mkdir(parents=True, exist_ok=True)
     rng = np.random.RandomState(0)
     with open(root / "meta", "wb") as f:
@@ -48,9 +49,12 @@ def cifar_raw(root, n_train=5, n_test=2, bad_label=False, duplicate=False):
         names = [f"{split}_{i}.png".encode() for i in range(len(labels))]
         if duplicate and split == "train":
             names[4] = names[2]
+        record = {b"data": data, b"fine_labels": labels, b"coarse_labels": [0] * len(labels),
+                  b"filenames": names, b"batch_label": split.encode()}
+        if split == "test":
+            record.pop(test_without, None)
         with open(root / split, "wb") as f:
-            pickle.dump({b"data": data, b"fine_labels": labels, b"coarse_labels": [0] * len(labels),
-                         b"filenames": names, b"batch_label": split.encode()}, f)
+            pickle.dump(record, f)
     return root
 
 

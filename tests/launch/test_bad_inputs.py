@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from conftest import launch, run_main, tiny_config
+from conftest import launch, run_main, snapshot, tiny_config
 
 
 @dataclass
@@ -25,10 +25,6 @@ class Bad:
     rc: int = 2
     launched: bool = False  # a process (a launcher) rather than main(argv) in this process
     also: list[str] = field(default_factory=list)  # more text the stderr must hold
-
-
-def snapshot(d: Path) -> dict[str, str]:
-    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.rglob("*")) if p.is_file()}
 
 
 @pytest.fixture(scope="module")
@@ -248,14 +244,7 @@ def build_case(case: str, assets, work: Path, cfg: Path, done: Path, open_dir: P
     from raw_formats import cifar_raw
 
     if case == "cifar_missing_fine_labels":
-        import pickle
-
-        raw = cifar_raw(work / "cifar_nolabels")
-        with open(raw / "test", "rb") as f:
-            test = pickle.load(f, encoding="bytes")
-        del test[b"fine_labels"]
-        with open(raw / "test", "wb") as f:
-            pickle.dump(test, f)
+        raw = cifar_raw(work / "cifar_nolabels", test_without=b"fine_labels")
         return Bad("data_prep.cifar100", ["--raw", str(raw), "--out", str(work / "out_c1"), "--classes-per-task", "3",
                                           "--no-progress"], f"{raw / 'test'}: unknown format (no 'fine_labels' entry)")
     if case == "cifar_missing_raw":

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import shutil
@@ -11,14 +10,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import EVALUATE, FAULTY, launch, run_main, tiny_config
+from conftest import EVALUATE, FAULTY, launch, run_main, snapshot, tiny_config
 
 METRIC_KEYS = {"tasks", "acc_matrix", "final_avg_acc", "final_avg_acc_task_mean", "avg_incremental_acc",
                "forgetting", "bwt", "fwd"}
-
-
-def snapshot(d: Path) -> dict[str, str]:
-    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.rglob("*")) if p.is_file()}
 
 
 @pytest.fixture(scope="module")

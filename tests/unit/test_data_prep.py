@@ -428,12 +428,7 @@ def test_data_prep_names_the_missing_key_and_keeps_images_inside_their_folder(tm
 
     from PIL import Image
 
-    raw = cifar_raw(tmp_path / "cifar")
-    with open(raw / "test", "rb") as f:
-        test = pickle.load(f, encoding="bytes")
-    del test[b"fine_labels"]
-    with open(raw / "test", "wb") as f:
-        pickle.dump(test, f)
+    raw = cifar_raw(tmp_path / "cifar", test_without=b"fine_labels")
     r = convert("cifar100", "--raw", raw, "--out", tmp_path / "o1", "--classes-per-task", 3)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and f"{raw / 'test'}: unknown format (no 'fine_labels' entry)" in lines[0]
