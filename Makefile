@@ -95,7 +95,7 @@ test: install
 mutate: install
 	$(BIN)/pip install -q --disable-pip-version-check -e ".[mutate]" torch==2.13.0
 	rm -rf mutants
-	$(RUN) $(BIN)/mutmut run; $(BIN)/mutmut results
+	$(RUN) MCIT_TEST_CACHE=$(abspath mutants/.test-cache) $(BIN)/mutmut run; $(BIN)/mutmut results
 
 bench: data-cil data
 	PATH=$(abspath $(BIN)):$$PATH DS_ACCELERATOR=cpu CUDA_VISIBLE_DEVICES= $(BIN)/python bench/engine_throughput.py

@@ -285,7 +285,7 @@ def coin_box(text: str, official: bool = False) -> list[float] | None:
     return box if len(box) == 4 else None
 
 
-def _coin_iou(a: list[float], b: list[float]) -> float:
+def coin_iou(a: list[float], b: list[float]) -> float:
     """eval_grounding.calculate_iou: the union from the raw (possibly negative) areas."""
     inter = max(0.0, min(a[2], b[2]) - max(a[0], b[0])) * max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
     union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
@@ -300,7 +300,7 @@ def _coin_grounding(pred: str, ref: dict[str, Any], official: bool) -> float:
         gold = [float(x) for x in str(text).replace("[", "").replace("]", "").split(",")]
     if box is None:
         return 0.0
-    return float(_coin_iou(box, [float(v) for v in gold]) > 0.5)
+    return float(coin_iou(box, [float(v) for v in gold]) > 0.5)
 
 
 @register("coin_grounding")

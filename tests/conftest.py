@@ -61,13 +61,18 @@ def pytest_configure(config) -> None:
 
 def built_once(tmp_path_factory, name: str, build) -> Path:
     """``build(directory)`` once per test session, however many xdist workers ask (the first one builds
-    under a file lock, the others wait and reuse the finished directory)."""
+    under a file lock, the others wait and reuse the finished directory). With MCIT_TEST_CACHE set, once per
+    that directory: `make mutate` runs pytest once per mutant and would otherwise rebuild the assets each time
+    (a mutant of the code that builds them is then judged by the tests that call that code directly)."""
     import fcntl
     import shutil
 
     root = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         root = root.parent  # shared by the workers of this session
+    if os.environ.get("MCIT_TEST_CACHE"):  # kept across pytest runs (`make mutate` runs pytest once per mutant)
+        root = Path(os.environ["MCIT_TEST_CACHE"])
+        root.mkdir(parents=True, exist_ok=True)
     out = root / f"shared_{name}"
     with open(root / f".{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
