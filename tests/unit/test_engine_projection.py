@@ -141,3 +141,29 @@ def test_cosine_schedule_decays_every_group_to_the_same_floor_as_timm():
                                  torch.ones(8), 0), 1.0 / 8)
     engine.destroy()
     assert seen == [pytest.approx(lrs, rel=1e-9) for lrs in timm]
+
+
+def test_one_projected_sgd_step_moves_down_the_projected_gradient():
+    """One plain SGD step (no momentum, no decay) through the engine lands on w0 - lr * P grad, the gradient
+    taken by autograd outside the engine: the projection keeps the update's direction and sign (a flipped
+    update, old - kept, also stays in the subspace, which the leak test alone cannot tell)."""
+    from mcit import distributed as dist
+    from mcit.engine import full_fp32, setup_engine, train_step
+
+    dist.init()
+    cfg = validate_config({"name": "p", "backbone": {"path": "unused"}, "data": {"tasks": ["a"], "root": "."},
+                           "method": {"name": "test_projected"},
+                           "train": {"lr": 0.05, "optimizer": "sgd", "momentum": 0.0, "batch_size": 8,
+                                     "deepspeed_config": "deepspeed_configs/zero2.json"}})
+    seq = TaskSequence.from_label_spaces(["a"], [[0, 1, 2]])
+    method = METHODS.get("test_projected")(cfg.method.params(), nn.Identity(), seq)
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(8, D, generator=g), torch.randint(0, 3, (8,), generator=g)
+    w0 = method.w.detach().clone().requires_grad_(True)
+    ((x @ w0 - y.float()) ** 2).mean().backward()
+    expected = w0.detach() - 0.05 * (w0.grad @ method.P)
+    engine, _ = setup_engine(cfg, method, 1)
+    train_step(engine, Batch(x, y, torch.ones(8), 0), 1.0 / 8)
+    got = full_fp32(engine.module.w)
+    engine.destroy()
+    assert torch.allclose(got, expected, atol=1e-6)

@@ -407,3 +407,46 @@ def test_answer_normalisation_and_option_letters_at_their_edges():
     assert S.coin_option_letter("B. a tree") == "B" and S.coin_option_letter("B") == "B"
     assert S.coin_option_letter("B.") == "B"  # three characters are needed for "X. ": the word rule reads it
     assert S.coin_option_letter("so c it is") == "C" and S.coin_option_letter("none of them") == "FAILED"
+
+
+def test_stream_statistics_sums_every_batch_and_concatenates_rows_in_order():
+    """One process, three batches (the middle one yields no statistic): the sums cover every batch, not the
+    last; "cat:" rows are concatenated in batch order, not summed; finalize_statistics gets the task; the
+    report carries the per-rank state digest."""
+    from mcit import distributed as dist
+    from mcit.subspace import state_digest, stream_statistics
+
+    class _B:
+        def __init__(self, x: torch.Tensor | None) -> None:
+            self.x = x
+
+        def to(self, device):  # noqa: ANN001, ANN202
+            return self
+
+    class _M:
+        def __init__(self) -> None:
+            self.state: dict[str, torch.Tensor] = {}
+            self.task = None
+
+        def statistics(self, b):  # noqa: ANN001, ANN202
+            return None if b.x is None else {"s": b.x.sum(0), "cat:rows": b.x[:, :1]}
+
+        def finalize_statistics(self, sums, task):  # noqa: ANN001, ANN202
+            self.state, self.task = {"s": sums["s"], "rows": sums["cat:rows"]}, task
+
+        def state_dict(self):  # noqa: ANN202
+            return self.state
+
+        def load_state_dict(self, state):  # noqa: ANN001, ANN202
+            self.state = dict(state)
+
+        def subspace_report(self):  # noqa: ANN202
+            return {"dims": 1}
+
+    dist.init()
+    xs = [torch.arange(6.0).reshape(3, 2), None, torch.tensor([[10.0, 20.0]])]
+    m = _M()
+    report = stream_statistics(m, [_B(x) for x in xs], task=4)
+    assert m.task == 4 and m.state["s"].tolist() == [16.0, 29.0]
+    assert m.state["rows"][:, 0].tolist() == [0.0, 2.0, 4.0, 10.0]
+    assert report == {"dims": 1, "state_sha256_per_rank": [state_digest(m.state)]}
