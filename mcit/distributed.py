@@ -205,11 +205,17 @@ def on_main(fn: Callable[[], T]) -> T | None:
             out = fn()
         except Exception as e:  # noqa: BLE001 - any failure must reach the other ranks
             err = e
+    agree(err, "rank 0 failed (it reports why)")
+    return out
+
+
+def agree(err: BaseException | None, peer_message: str) -> None:
+    """One all-reduce: if any rank has an ``err``, every rank stops now -- those with one raise it, the
+    others :class:`PeerFailed` (``peer_message``)."""
     if not all_ok(err is None):
         if err is not None:
             raise err
-        raise PeerFailed("rank 0 failed (it reports why)")
-    return out
+        raise PeerFailed(peer_message)
 
 
 def shutdown() -> None:

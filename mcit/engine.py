@@ -456,10 +456,7 @@ class TaskTrainer:
             engine.save_checkpoint(str(step_dir), tag=tag, save_latest=False)
         except OSError as e:
             err = e if isinstance(e, WriteError) else WriteError(Path(e.filename or step_dir / tag), e)
-        if not dist.all_ok(err is None):
-            if err is not None:
-                raise err
-            raise dist.PeerFailed("another rank could not write its step checkpoint (it reports why)")
+        dist.agree(err, "another rank could not write its step checkpoint (it reports why)")
 
         def commit() -> None:
             committed = step_dir / COMMITTED

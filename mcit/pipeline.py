@@ -85,8 +85,8 @@ class Pipeline:
             print(text, file=sys.stderr, flush=True)
 
     def _save_current(self, key: str) -> str:
-        state = self.host.method.state_dict() if dist.is_main() else None
-        dist.on_main(lambda: save_state(self.run_dir.current_state, state, {"after_stage": key}))
+        dist.on_main(lambda: save_state(self.run_dir.current_state, self.host.method.state_dict(),
+                                        {"after_stage": key}))
         return RunDir.CURRENT_STATE
 
     def _stream(self, split: Split, collate: Any, task: int) -> None:

@@ -131,7 +131,7 @@ def evaluate(plan: Any, ks: list[int], tasks: list[int], *, zero_shot: bool, wri
             row = evaluate_row(host, trained=k + 1, tasks=tasks, answers_dir=run.answers(k, evaluate_only=True),
                                desc=f"after task {k}")
             row["first_task_loss"] = first_task_loss(host)
-        def write(k: int | None = k, row: dict = row) -> None:
+        def write() -> None:
             write_json(run.row(k, evaluate_only=True), {**row, "tasks": [plan.names[i] for i in tasks],
                                                          "checkpoint": k, "world_size": dist.world_size()})
             if write_rows:
