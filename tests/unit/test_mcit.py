@@ -382,6 +382,18 @@ def test_scorers_at_their_edges():
     assert S.exact_match("3.5", {"answer": "3.5"}) == 1.0
 
 
+def test_coin_grounding_reads_a_box_reference_before_the_answer_text():
+    """A reference with a ``box`` list scores against it (the answer text may be a sentence); without one, the
+    ``answer_bbox`` text wins over ``answer``. IoU must be strictly above 0.5 (CoIN's eval_grounding)."""
+    box_ref = {"answer": "the cup on the left", "box": [0, 0, 10, 10]}
+    assert S.get("coin_grounding")("[0, 0, 10, 6]", box_ref) == 1.0
+    assert S.get("coin_grounding")("[0, 0, 10, 5]", box_ref) == 0.0  # IoU exactly 0.5
+    assert S.get("coin_grounding")("no box", box_ref) == 0.0
+    both = {"answer": "[5, 5, 9, 9]", "answer_bbox": "[0, 0, 10, 10]"}
+    assert S.get("coin_grounding")("[0, 0, 10, 10]", both) == 1.0
+    assert S.get("coin_grounding")("[5, 5, 9, 9]", both) == 0.0
+
+
 def test_box_iou_on_boxes_that_are_not_squares_at_the_origin():
     """Every coordinate differs (x0 1, y0 2, x1 5, y1 10 against 3, 0, 9, 6), so reading one index for another
     changes the value. By hand: the overlap is x 3..5 by y 2..6 = 8, the areas 4 x 8 = 32 and 6 x 6 = 36, the

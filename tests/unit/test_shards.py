@@ -179,3 +179,21 @@ def test_manifest_whose_count_disagrees_with_its_shards_is_refused(split):
     mpath.write_text(json.dumps(m))
     with pytest.raises(DataError, match="do not add up"):
         open_split(split.directory)
+
+
+def test_written_shards_are_byte_identical_and_the_manifest_keeps_class_names(tmp_path):
+    """Shards carry mtime 0 in every tar header, so the same samples written again (another day, another
+    machine) give the same bytes and sha256; class names land in the manifest with string keys; an empty split
+    is one empty shard, not a split without shards."""
+    import tarfile
+
+    a = write_split(tmp_path / "a", _samples(12), shard_size=5, label_space=[2, 0, 1], class_names={0: "zero", 2: "two"})
+    with tarfile.open(tmp_path / "a" / "shard-000000.tar") as tar:
+        assert {m.mtime for m in tar.getmembers()} == {0}
+    b = write_split(tmp_path / "b", _samples(12), shard_size=5, label_space=[0, 1, 2])
+    assert [s["sha256"] for s in a["shards"]] == [s["sha256"] for s in b["shards"]]
+    assert a["class_names"] == {"0": "zero", "2": "two"} and b["class_names"] == {}
+    assert a["label_space"] == [0, 1, 2] and [s["num_samples"] for s in a["shards"]] == [5, 5, 2]
+    empty = write_split(tmp_path / "e", [], shard_size=5, label_space=[0])
+    assert [s["num_samples"] for s in empty["shards"]] == [0]
+    assert list(iter_samples(open_split(tmp_path / "e", verify="sha256"), 0, 1)) == []
