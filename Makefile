@@ -94,7 +94,7 @@ test: install
 # Not part of `make test`: it runs those tests once per mutant. Survivors: `$(BIN)/mutmut results`.
 mutate: install
 	$(BIN)/pip install -q --disable-pip-version-check -e ".[mutate]" torch==2.13.0
-	rm -rf mutants
+	rm -rf mutants/.test-cache  # results stay: a stopped run resumes, changed code is mutated again
 	$(RUN) MCIT_TEST_CACHE=$(abspath mutants/.test-cache) $(BIN)/mutmut run; $(BIN)/mutmut results
 
 bench: data-cil data

@@ -90,6 +90,14 @@ class DataConfig(_Strict):
         "auto", description="how a split is divided over ranks: whole shards, or every W-th sample"
     )
     shuffle_buffer: int = Field(1000, ge=1)
+    num_workers: int = Field(
+        2, ge=0, description="loader worker processes per rank that decode, augment and collate (0: in the training "
+                             "process); the batches are the same for any number")
+    train_transform: str = Field(
+        "none", description="augmentation preset for training images (mcit.data.transforms.PRESETS: none, l2p, coda, "
+                            "coda_domainnet, vpt_nsp2_cifar, vpt_nsp2_imagenet, vpt_nsp2_clip_cifar, "
+                            "vpt_nsp2_clip_imagenet, clip, star_cifar, star_imagenet_r)")
+    eval_transform: str = Field("none", description="the preset whose evaluation pipeline test images go through")
     reference: str | None = Field(
         None, description="a split of the backbone's pre-training data (for methods that need a pre-trained subspace)")
 
@@ -320,7 +328,7 @@ def _format_error(source: str, err: ValidationError) -> str:
     loc = ".".join(str(p) for p in e["loc"] if not str(p).startswith("function-after"))
     # pydantic puts the discriminating type name in loc for unions; drop the noise.
     loc = loc.replace(".str", "").replace(".TaskSpec", "")
-    msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
+    msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"].removeprefix("Value error, ")
     if e["type"] == "missing":
         msg = "required key is missing"
     more = f" (and {len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
@@ -350,9 +358,10 @@ def validate_config(data: dict, source: str = "<config>") -> RunConfig:
     except ValidationError as err:
         e = err.errors()[0]
         # MethodConfig's validator encodes the method Params' own key path as "@path@ message".
+        # A RunConfig cross-field check does the same with the config's key path (its loc is empty).
         m = re.search(r"@(.*?)@ (.*)", e.get("msg", ""))
-        if e["loc"] and e["loc"][0] == "method" and m:
-            key = f"method.{m.group(1)}" if m.group(1) else "method"
+        if m and (not e["loc"] or e["loc"][0] == "method"):
+            key = m.group(1) if not e["loc"] else f"method.{m.group(1)}" if m.group(1) else "method"
             raise ConfigError(f"config error in {source}: {key}: {m.group(2)}") from None
         raise ConfigError(_format_error(source, err)) from None
 

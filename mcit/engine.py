@@ -381,14 +381,15 @@ class TaskTrainer:
             batches = train_batches(
                 split, rank=rank, world=world, batch_size=B, num_steps=steps_epoch, skip_steps=skip,
                 seed=data_seed(cfg.seed, task, epoch, rank), policy=policy, shuffle_buffer=cfg.data.shuffle_buffer,
-                collate=collate)
+                collate=collate, aug_seed=data_seed(cfg.seed + 13, task, epoch, 0), num_workers=cfg.data.num_workers,
+                pin_memory=device.type == "cuda")
             for s, batch in zip(range(skip, steps_epoch), batches):
                 w0 = (s // gas) * gas
                 n_window = sum(global_valid(counts, k, B) for k in range(w0, w0 + gas))
                 if n_window == 0:
                     continue  # an all-padding accumulation window (same on every rank): no step at all
                 torch.manual_seed(data_seed(cfg.seed + 7, task, epoch * 1_000_000 + s, rank))
-                batch = batch.to(device)
+                batch = batch.to(device, non_blocking=True)
                 try:
                     terms, boundary = train_step(engine, batch, world * gas / n_window, check)
                 except _NonFiniteLoss as e:

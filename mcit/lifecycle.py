@@ -66,10 +66,23 @@ class MethodHost:
         self.method.to(dist.device())
         return self.method
 
-    def collate(self, task: int, *, train: bool, split: Split | None = None) -> Callable:
-        """How raw samples of ``split`` (default task ``task``'s train or test split) become batches."""
+    def collate(self, task: int, *, train: bool, split: Split | None = None, augment: bool | None = None) -> Callable:
+        """How raw samples of ``split`` (default task ``task``'s train or test split) become batches.
+
+        ``augment`` (default: ``train``) picks ``data.train_transform`` over ``data.eval_transform``; the
+        subspace and reference stages stream training data without it (VPT-NSP²'s official code collects its
+        statistics with the eval transform, and statistics should not depend on the epoch's crops).
+        """
+        from mcit.data import transforms
+
         split = split or (self.plan.train[task] if train else self.plan.test[task])
-        return self.backbone.make_collate(split, task, train=train, label_index=self.plan.sequence.label_to_index())
+        augment = train if augment is None else augment
+        data = self.cfg.data
+        size = getattr(self.backbone, "image_size", 0)
+        transform = transforms.build(data.train_transform if augment else data.eval_transform, train=augment, size=size)
+        extra = {"transform": transform} if transform.steps else {}  # a backbone without augmentation needs no argument
+        return self.backbone.make_collate(split, task, train=train, label_index=self.plan.sequence.label_to_index(),
+                                          **extra)
 
     # -- the hooks -----------------------------------------------------------------------------------
     def enter(self, task: int, phase: str | None = None) -> Method:

@@ -93,7 +93,8 @@ class Pipeline:
         """The subspace protocol over this rank's part of ``split`` (mcit.subspace), then its log line."""
         cfg = self.cfg
         batches = eval_batches(split, rank=dist.rank(), world=dist.world_size(), batch_size=cfg.eval.batch_size,
-                               policy=cfg.data.split, collate=collate)
+                               policy=cfg.data.split, collate=collate, num_workers=cfg.data.num_workers,
+                               pin_memory=dist.device().type == "cuda")
         report = stream_statistics(self.host.method, batches, task)
         if report is not None and dist.is_main():
             self.logger.log({"event": "subspace", "task": task, **report, "time": time.time()})
@@ -103,7 +104,7 @@ class Pipeline:
         """Statistics of data.reference before the first task (e.g. Fwd-Prompt's pre-trained subspace)."""
         self.host.enter(0)
         split = self.plan.reference
-        self._stream(split, self.host.collate(0, train=True, split=split), -1)
+        self._stream(split, self.host.collate(0, train=True, split=split, augment=False), -1)
         self._mark("reference", method_state=self._save_current("reference"))
 
     def stage_zero_shot(self) -> None:
@@ -128,7 +129,7 @@ class Pipeline:
     def stage_subspace(self, t: int, phase: str = "") -> None:
         """Stream the task's statistics on every rank, sum over ranks, finalize on rank 0, broadcast."""
         key = f"{t}/subspace" + (f".{phase}" if phase else "")
-        self.host.subspace(t, phase, lambda method: self._stream(self.plan.train[t], self.host.collate(t, train=True), t))
+        self.host.subspace(t, phase, lambda method: self._stream(self.plan.train[t], self.host.collate(t, train=True, augment=False), t))
         self._mark(key, method_state=self._save_current(key))
 
     def stage_eval(self, t: int) -> None:

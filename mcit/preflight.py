@@ -126,7 +126,18 @@ def preflight(cfg: RunConfig, base: Path | None = None, *, run_dir: Path | None 
     """
     from mcit.engine import build_ds_config, resolve_ds_config_path
 
+    from mcit.data.transforms import PRESETS
+
     base = base or Path.cwd()
+    import inspect
+
+    for key in ("train_transform", "eval_transform"):
+        name = getattr(cfg.data, key)
+        if name not in PRESETS:
+            raise ConfigError(f"data.{key}: unknown preset {name!r} (have: {', '.join(PRESETS)})")
+        if name != "none" and "transform" not in inspect.signature(backbone_class(cfg.backbone.kind).make_collate).parameters:
+            raise ConfigError(f"data.{key}: backbone kind {cfg.backbone.kind} takes no augmentation preset (it preprocesses "
+                              f"images itself): leave it at none")
     ds_path = resolve_ds_config_path(cfg.train.deepspeed_config)
     if not ds_path.is_file():
         raise ConfigError(f"train.deepspeed_config: file not found: {cfg.train.deepspeed_config}")

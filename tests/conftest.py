@@ -116,7 +116,9 @@ def tiny_config(assets: dict[str, Path], tmp: Path, name: str = "tiny", **sectio
         "run_dir": str(tmp / "runs" / name),
         "seed": 0,
         "backbone": {"kind": "vit", "path": str(assets["backbone"]), "tag": "tiny_test_vit"},
-        "data": {"root": str(assets["shards"]), "tasks": ["task0", "task1", "task2"]},
+        # l2p-pytorch's augmentation, collated by 2 loader workers per rank (the defaults a CIL config uses)
+        "data": {"root": str(assets["shards"]), "tasks": ["task0", "task1", "task2"], "train_transform": "l2p",
+                 "eval_transform": "l2p", "num_workers": 2},
         "method": {"name": "l2p"},
         "train": {"epochs": 2, "batch_size": 16, "lr": 0.05, "checkpoint_every": 3, "log_every": 2,
                   "progress": False, "deepspeed_config": "deepspeed_configs/zero2.json"},

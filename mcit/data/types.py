@@ -67,10 +67,19 @@ class Batch:
     inputs: dict[str, torch.Tensor] = field(default_factory=dict)
     meta: list[dict] = field(default_factory=list)
 
-    def to(self, device: torch.device) -> "Batch":
-        allowed = None if self.allowed_classes is None else self.allowed_classes.to(device)
-        return Batch(self.pixel_values.to(device), self.labels.to(device), self.valid.to(device), self.task,
-                     self.keys, allowed, {k: v.to(device) for k, v in self.inputs.items()}, self.meta)
+    def to(self, device: torch.device, non_blocking: bool = False) -> "Batch":
+        """Every tensor on ``device``; ``non_blocking`` from pinned memory on CUDA (the copy overlaps compute)."""
+        allowed = None if self.allowed_classes is None else self.allowed_classes.to(device, non_blocking=non_blocking)
+        return Batch(self.pixel_values.to(device, non_blocking=non_blocking),
+                     self.labels.to(device, non_blocking=non_blocking), self.valid.to(device, non_blocking=non_blocking),
+                     self.task, self.keys, allowed,
+                     {k: v.to(device, non_blocking=non_blocking) for k, v in self.inputs.items()}, self.meta)
+
+    def pin_memory(self) -> "Batch":
+        """Page-locked copies of every tensor (torch's DataLoader calls this with ``pin_memory=True``)."""
+        allowed = None if self.allowed_classes is None else self.allowed_classes.pin_memory()
+        return Batch(self.pixel_values.pin_memory(), self.labels.pin_memory(), self.valid.pin_memory(), self.task,
+                     self.keys, allowed, {k: v.pin_memory() for k, v in self.inputs.items()}, self.meta)
 
     def select(self, idx: torch.Tensor) -> "Batch":
         """The rows ``idx`` (every per-sample field)."""

@@ -9,7 +9,9 @@ never a kind name, what it needs:
 * ``check(path)``: the cheap pre-flight check of a checkpoint directory (no weights loaded);
 * ``from_path(path, dtype, **options)`` with ``options`` the ``backbone:`` config keys named in
   ``load_options``;
-* ``make_collate(split, task, train=..., label_index=...)``: how raw samples become a ``Batch``.
+* ``make_collate(split, task, train=..., label_index=...)``: how raw samples become a ``Batch``
+  (``collate(samples, seed=None)``); a backbone that accepts a ``transform`` argument takes the
+  ``data.train_transform`` / ``data.eval_transform`` presets (pre-flight refuses a preset otherwise).
 
 Adding a backbone is one new file in ``mcit/models/`` (docs/architecture.md, "Adding a backbone").
 
@@ -79,8 +81,10 @@ class Backbone(nn.Module, metaclass=ABCMeta):
         """The frozen model loaded from ``path`` (a transformers directory) with its processing settings."""
 
     @abstractmethod
-    def make_collate(self, split: Any, task: int, *, train: bool, label_index: dict[int, int]) -> Callable:
-        """How raw samples of ``split`` become a Batch."""
+    def make_collate(self, split: Any, task: int, *, train: bool, label_index: dict[int, int],
+                     transform: Callable | None = None) -> Callable:
+        """How raw samples of ``split`` become a Batch: ``collate(samples, seed=None)``; ``transform``
+        (mcit.data.transforms) augments images where the backbone takes them as they are."""
 
     def train(self, mode: bool = True) -> "Backbone":  # frozen: always eval (no dropout drift)
         return super().train(False)
@@ -253,11 +257,12 @@ class PromptableImageEncoder(Backbone):
         mean, std = self._cpu_mean_std
         return ((x - mean) / std).contiguous()
 
-    def make_collate(self, split: Any, task: int, *, train: bool, label_index: dict[int, int]) -> Callable:
+    def make_collate(self, split: Any, task: int, *, train: bool, label_index: dict[int, int],
+                     transform: Callable | None = None) -> Callable:
         """How raw samples of ``split`` become a Batch (classification: images and class indices)."""
         from mcit.data.loader import classification_collate
 
-        return classification_collate(self.preprocess, label_index, task, split)
+        return classification_collate(self.preprocess, label_index, task, split, transform)
 
     def encode(self, tokens: torch.Tensor, prompts: dict[int, LayerPrompt] | None = None,
                appended: dict[int, torch.Tensor] | None = None) -> torch.Tensor:

@@ -223,7 +223,7 @@ class MLLMBackbone(Backbone):
         return self._blank
 
     def make_collate(self, split: Any, task: int, *, train: bool, label_index: dict[int, int] | None = None
-                     ) -> Callable[[list[dict]], Batch]:
+                     ) -> Callable[..., Batch]:
         """Raw instruction samples -> Batch. Train: right padding, labels on the answers (every turn of a
         multi-turn conversation, with its history) and their end-of-turn tokens, -100 elsewhere. Eval: the
         prompt up to the last answer, left padding, references in ``meta``. Text-only samples have no image
@@ -232,7 +232,7 @@ class MLLMBackbone(Backbone):
 
         pad_id = int(self.tokenizer.pad_token_id)
 
-        def collate(samples: list[dict]) -> Batch:
+        def collate(samples: list[dict], seed: int | None = None) -> Batch:
             ids_list, lab_list, pix, keys, meta, has = [], [], [], [], [], []
             qf_ids: list[list[int]] = []
             grids: list[torch.Tensor] = []

@@ -104,12 +104,16 @@ def build_case(case: str, assets, work: Path, cfg: Path, done: Path, open_dir: P
                    "method.pool_size (7) must divide evenly over the 2 tasks")
     if case == "repeated_layers":
         return run(["method.name=coda_prompt", "method.layers=[1,1]"], "method.layers: block indices repeat: [1, 1]")
+    if case == "unknown_transform":
+        return run(["data.train_transform=crops"], "data.train_transform: unknown preset 'crops'", also=["l2p", "coda"])
+    if case == "negative_workers":
+        return run(["data.num_workers=-1"], "data.num_workers: Input should be greater than or equal to 0")
     if case == "empty_tasks":
-        return run(["data.tasks=[]"], "data.tasks: Value error, the task sequence is empty")
+        return run(["data.tasks=[]"], "data.tasks: the task sequence is empty")
     if case == "unknown_task":
         return run(["data.tasks=[task0,task9]"], "data.tasks: no task 'task9' under data.root", also=["task0, task1, task2"])
     if case == "backbone_kind":
-        return run(["backbone.kind=resnet"], "backbone.kind: Value error, unknown backbone 'resnet'")
+        return run(["backbone.kind=resnet"], "backbone.kind: unknown backbone 'resnet'")
     if case == "duplicate_key":
         text = cfg.read_text()
         dup = _text_file(work, "duplicate.yaml", text.replace("train:\n", "train:\n  epochs: 5\n", 1))
@@ -302,6 +306,7 @@ def _drop_member(tar_path: Path, ext: str) -> None:
 CASES = [
     "unknown_key", "misspelt_section", "type_epochs", "range_epochs", "range_lr", "choice_optimizer", "unknown_method",
     "unknown_method_key", "l2p_top_k", "dualprompt_layer", "coda_pool", "repeated_layers", "empty_tasks",
+    "unknown_transform", "negative_workers",
     "unknown_task", "backbone_kind", "duplicate_key", "config_missing", "config_not_yaml", "config_a_list",
     "config_missing_section", "override_without_equals", "override_bad_value", "override_into_a_value",
     "deepspeed_stage_7", "deepspeed_missing", "deepspeed_not_json", "deepspeed_batch_conflict", "run_dir_is_a_file",

@@ -105,6 +105,24 @@ def test_preempted_then_killed_run_resumes_to_identical_metrics(assets, work, re
     assert got["acc_matrix"] == ref["acc_matrix"] and got["final_avg_acc"] == ref["final_avg_acc"]
 
 
+def test_loader_workers_change_no_batch_and_no_number(assets, work, reference_run):
+    """The reference run collates in 2 worker processes per rank with l2p's random crops and flips; the same
+    run with the collation in the training processes ends with the same matrix and the same logged losses."""
+    _, ref_dir, _ = reference_run
+    cfg = tiny_config(assets, work, "inline", data={"num_workers": 0})
+    res = launch(["--config", str(cfg)], launcher="deepspeed", nproc=2)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    got = json.loads((work / "runs" / "inline" / "metrics.json").read_text())
+    ref = json.loads((ref_dir / "metrics.json").read_text())
+    assert got["acc_matrix"] == ref["acc_matrix"]
+
+    def losses(d: Path) -> list:
+        return [(r["task"], r["step"], r["loss"]) for r in map(json.loads, (d / "logs" / "train.jsonl").read_text().splitlines())
+                if "loss" in r]
+
+    assert losses(work / "runs" / "inline") == losses(ref_dir) and len(losses(ref_dir)) > 10
+
+
 @pytest.mark.parametrize("how", ["KILL", "STOP"])
 def test_dead_or_stuck_rank_ends_the_run_within_the_timeout_naming_the_stage(assets, work, how):
     """Two processes with no launcher to clean up. Rank 1 is killed (KILL: its peer sees the connection

@@ -128,7 +128,7 @@ def test_a_backbone_and_a_method_from_a_test_module_run_through_the_pipeline(ass
     from conftest import tiny_config
 
     from mcit import distributed as dist
-    from mcit.config import load_config
+    from mcit.config import ConfigError, load_config
     from mcit.pipeline import Pipeline
     from mcit.preflight import preflight
 
@@ -140,7 +140,10 @@ def test_a_backbone_and_a_method_from_a_test_module_run_through_the_pipeline(ass
                        eval={"batch_size": 50, "zero_shot": False, "first_task_loss": False})
     dist.init()
     CALLS.clear()
-    plan = preflight(load_config(path))
+    # tiny_config asks for l2p's augmentation, which this backbone's make_collate does not take
+    with pytest.raises(ConfigError, match="data.train_transform: backbone kind test_resnet takes no augmentation preset"):
+        preflight(load_config(path))
+    plan = preflight(load_config(path, ["data.train_transform=none", "data.eval_transform=none"]))
     assert plan.backbone.record["tag"] == "resnet_toy" and len(plan.backbone.record["sha256"]) == 64
     metrics = Pipeline(plan).run()
 

@@ -1,0 +1,356 @@
+"""Image augmentation presets: each official code base's train and eval recipe, on PIL and torch only.
+
+Why here and not torchvision: torchvision cannot be installed beside the CPU torch these machines use
+(``../shared/PLATFORM.md``), and the papers' numbers depend on the exact recipe (a random-resized crop
+with scale (0.05, 1) in l2p-pytorch and its descendants, torchvision's default (0.08, 1) in CODA-Prompt and
+mammoth, AutoAugment before the crop in VPT-NSP²). Each step draws its random numbers in torchvision's order
+and with its formulas, from a generator seeded per sample (``sample_generator``): the augmentation a sample
+gets depends only on the run's seed, the task, the epoch and the sample's key, never on the rank, the loader
+worker or whether the run was resumed. ``tests/reference/test_transforms_reference.py`` compares every step
+with torchvision 0.28 on fixed images and seeds.
+
+A preset is a name valid for ``data.train_transform`` and ``data.eval_transform``; the size is the
+backbone's input size (224 in the papers). The backbone's own preprocessing (resize to its input size when
+the image is not already that size, then the checkpoint's mean / std) runs after the preset.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+# PIL's resampling codes (Image.Resampling), the names torchvision's InterpolationMode uses.
+_PIL_FILTER = {"nearest": 0, "bilinear": 2, "bicubic": 3}
+
+
+def sample_generator(seed: int, key: str) -> torch.Generator:
+    """A generator for one sample's augmentation: a stable hash of (seed, key), not Python's salted hash()."""
+    digest = hashlib.blake2b(f"{seed}:{key}".encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
+
+
+def _uniform(g: torch.Generator, lo: float, hi: float) -> float:
+    return float(torch.empty(1).uniform_(lo, hi, generator=g).item())
+
+
+def _randint(g: torch.Generator, lo: int, hi: int) -> int:
+    return int(torch.randint(lo, hi, size=(1,), generator=g).item())
+
+
+# --------------------------------------------------------------------------------------------------
+# Steps (each a frozen dataclass: its fields are the recipe's parameters, compared with the official code)
+
+@dataclass(frozen=True)
+class RandomResizedCrop:
+    """torchvision's RandomResizedCrop: up to 10 tries of (area fraction, log-uniform aspect ratio), else the
+    central crop clamped to ``ratio``; then a resize to ``size`` x ``size``."""
+
+    size: int
+    scale: tuple[float, float] = (0.08, 1.0)
+    ratio: tuple[float, float] = (3.0 / 4.0, 4.0 / 3.0)
+    interpolation: str = "bilinear"
+    random = True
+
+    def params(self, width: int, height: int, g: torch.Generator) -> tuple[int, int, int, int]:
+        """(top, left, height, width) of the crop."""
+        area = height * width
+        log_ratio = torch.log(torch.tensor(self.ratio))  # float32, as torchvision computes it
+        for _ in range(10):
+            target_area = area * _uniform(g, self.scale[0], self.scale[1])
+            aspect = float(torch.exp(torch.empty(1).uniform_(float(log_ratio[0]), float(log_ratio[1]),
+                                                              generator=g)).item())
+            w = int(round(math.sqrt(target_area * aspect)))
+            h = int(round(math.sqrt(target_area / aspect)))
+            if 0 < w <= width and 0 < h <= height:
+                return _randint(g, 0, height - h + 1), _randint(g, 0, width - w + 1), h, w
+        in_ratio = width / height
+        if in_ratio < min(self.ratio):
+            w, h = width, int(round(width / min(self.ratio)))
+        elif in_ratio > max(self.ratio):
+            h, w = height, int(round(height * max(self.ratio)))
+        else:
+            w, h = width, height
+        return (height - h) // 2, (width - w) // 2, h, w
+
+    def __call__(self, img: Any, g: torch.Generator | None) -> Any:
+        top, left, h, w = self.params(img.width, img.height, _need(g, self))
+        return img.crop((left, top, left + w, top + h)).resize((self.size, self.size), _PIL_FILTER[self.interpolation])
+
+
+@dataclass(frozen=True)
+class RandomHorizontalFlip:
+    p: float = 0.5
+    random = True
+
+    def __call__(self, img: Any, g: torch.Generator | None) -> Any:
+        if float(torch.rand(1, generator=_need(g, self)).item()) < self.p:
+            return img.transpose(0)  # Image.Transpose.FLIP_LEFT_RIGHT
+        return img
+
+
+@dataclass(frozen=True)
+class Resize:
+    """An int resizes the shorter side (the longer one ``int(size * long / short)``); a pair is (height, width)."""
+
+    size: int | tuple[int, int]
+    interpolation: str = "bilinear"
+    random = False
+
+    def __call__(self, img: Any, g: torch.Generator | None = None) -> Any:
+        w, h = img.size
+        if isinstance(self.size, int):
+            short, long = (w, h) if w <= h else (h, w)
+            new_short, new_long = self.size, int(self.size * long / short)
+            new_w, new_h = (new_short, new_long) if w <= h else (new_long, new_short)
+        else:
+            new_h, new_w = self.size
+        if (new_w, new_h) == (w, h):
+            return img
+        return img.resize((new_w, new_h), _PIL_FILTER[self.interpolation])
+
+
+@dataclass(frozen=True)
+class CenterCrop:
+    """The central ``size`` x ``size`` window (zero-padded first where the image is smaller, as torchvision)."""
+
+    size: int
+    random = False
+
+    def __call__(self, img: Any, g: torch.Generator | None = None) -> Any:
+        from PIL import Image
+
+        w, h = img.size
+        if w < self.size or h < self.size:
+            pw, ph = max(self.size, w), max(self.size, h)
+            canvas = Image.new(img.mode, (pw, ph))
+            canvas.paste(img, ((self.size - w) // 2 if w < self.size else 0, (self.size - h) // 2 if h < self.size else 0))
+            img, (w, h) = canvas, (pw, ph)
+            if (w, h) == (self.size, self.size):
+                return img
+        top, left = int(round((h - self.size) / 2.0)), int(round((w - self.size) / 2.0))
+        return img.crop((left, top, left + self.size, top + self.size))
+
+
+# AutoAugment's learned policies (Cubuk et al. 2019), as torchvision 0.28 tabulates them
+# (torchvision/transforms/autoaugment.py, AutoAugment._get_policies): (op, probability, magnitude bin).
+_AUTOAUGMENT_POLICIES: dict[str, tuple[tuple[tuple[str, float, int | None], ...], ...]] = {
+    "imagenet": (
+        (("Posterize", 0.4, 8), ("Rotate", 0.6, 9)), (("Solarize", 0.6, 5), ("AutoContrast", 0.6, None)),
+        (("Equalize", 0.8, None), ("Equalize", 0.6, None)), (("Posterize", 0.6, 7), ("Posterize", 0.6, 6)),
+        (("Equalize", 0.4, None), ("Solarize", 0.2, 4)), (("Equalize", 0.4, None), ("Rotate", 0.8, 8)),
+        (("Solarize", 0.6, 3), ("Equalize", 0.6, None)), (("Posterize", 0.8, 5), ("Equalize", 1.0, None)),
+        (("Rotate", 0.2, 3), ("Solarize", 0.6, 8)), (("Equalize", 0.6, None), ("Posterize", 0.4, 6)),
+        (("Rotate", 0.8, 8), ("Color", 0.4, 0)), (("Rotate", 0.4, 9), ("Equalize", 0.6, None)),
+        (("Equalize", 0.0, None), ("Equalize", 0.8, None)), (("Invert", 0.6, None), ("Equalize", 1.0, None)),
+        (("Color", 0.6, 4), ("Contrast", 1.0, 8)), (("Rotate", 0.8, 8), ("Color", 1.0, 2)),
+        (("Color", 0.8, 8), ("Solarize", 0.8, 7)), (("Sharpness", 0.4, 7), ("Invert", 0.6, None)),
+        (("ShearX", 0.6, 5), ("Equalize", 1.0, None)), (("Color", 0.4, 0), ("Equalize", 0.6, None)),
+        (("Equalize", 0.4, None), ("Solarize", 0.2, 4)), (("Solarize", 0.6, 5), ("AutoContrast", 0.6, None)),
+        (("Invert", 0.6, None), ("Equalize", 1.0, None)), (("Color", 0.6, 4), ("Contrast", 1.0, 8)),
+        (("Equalize", 0.8, None), ("Equalize", 0.6, None)),
+    ),
+    "cifar10": (
+        (("Invert", 0.1, None), ("Contrast", 0.2, 6)), (("Rotate", 0.7, 2), ("TranslateX", 0.3, 9)),
+        (("Sharpness", 0.8, 1), ("Sharpness", 0.9, 3)), (("ShearY", 0.5, 8), ("TranslateY", 0.7, 9)),
+        (("AutoContrast", 0.5, None), ("Equalize", 0.9, None)), (("ShearY", 0.2, 7), ("Posterize", 0.3, 7)),
+        (("Color", 0.4, 3), ("Brightness", 0.6, 7)), (("Sharpness", 0.3, 9), ("Brightness", 0.7, 9)),
+        (("Equalize", 0.6, None), ("Equalize", 0.5, None)), (("Contrast", 0.6, 7), ("Sharpness", 0.6, 5)),
+        (("Color", 0.7, 7), ("TranslateX", 0.5, 8)), (("Equalize", 0.3, None), ("AutoContrast", 0.4, None)),
+        (("TranslateY", 0.4, 3), ("Sharpness", 0.2, 6)), (("Brightness", 0.9, 6), ("Color", 0.2, 8)),
+        (("Solarize", 0.5, 2), ("Invert", 0.0, None)), (("Equalize", 0.2, None), ("AutoContrast", 0.6, None)),
+        (("Equalize", 0.2, None), ("Equalize", 0.6, None)), (("Color", 0.9, 9), ("Equalize", 0.6, None)),
+        (("AutoContrast", 0.8, None), ("Solarize", 0.2, 8)), (("Brightness", 0.1, 3), ("Color", 0.7, 0)),
+        (("Solarize", 0.4, 5), ("AutoContrast", 0.9, None)), (("TranslateY", 0.9, 9), ("TranslateY", 0.7, 9)),
+        (("AutoContrast", 0.9, None), ("Solarize", 0.8, 3)), (("Equalize", 0.8, None), ("Invert", 0.1, None)),
+        (("TranslateY", 0.7, 9), ("AutoContrast", 0.9, None)),
+    ),
+}
+
+
+def magnitudes(op: str, width: int, height: int) -> tuple[torch.Tensor, bool]:
+    """The 10 magnitude bins of an op and whether it is signed (torchvision's float32 linspace values)."""
+    lin = lambda hi: torch.linspace(0.0, hi, 10)  # noqa: E731
+    table: dict[str, tuple[torch.Tensor, bool]] = {
+        "ShearX": (lin(0.3), True), "ShearY": (lin(0.3), True),
+        "TranslateX": (lin(150.0 / 331.0 * width), True), "TranslateY": (lin(150.0 / 331.0 * height), True),
+        "Rotate": (lin(30.0), True), "Brightness": (lin(0.9), True), "Color": (lin(0.9), True),
+        "Contrast": (lin(0.9), True), "Sharpness": (lin(0.9), True),
+        "Posterize": (8 - (torch.arange(10) / ((10 - 1) / 4)).round().int(), False),
+        "Solarize": (torch.linspace(255.0, 0.0, 10), False),
+    }
+    return table.get(op, (torch.tensor(0.0), False))
+
+
+def _affine(img: Any, *, angle: float = 0.0, translate: tuple[int, int] = (0, 0),
+            shear: tuple[float, float] = (0.0, 0.0), center: tuple[float, float] | None = None,
+            interpolation: str) -> Any:
+    """An affine warp about ``center`` (the image centre by default) with zero fill: the inverse matrix
+    (rotation, shear in degrees, translation in pixels) that PIL's Image.transform samples with."""
+    from PIL import Image
+
+    cx, cy = center if center is not None else (img.width * 0.5, img.height * 0.5)
+    rot, sx, sy = math.radians(angle), math.radians(shear[0]), math.radians(shear[1])
+    a = math.cos(rot - sy) / math.cos(sy)
+    b = -math.cos(rot - sy) * math.tan(sx) / math.cos(sy) - math.sin(rot)
+    c = math.sin(rot - sy) / math.cos(sy)
+    d = -math.sin(rot - sy) * math.tan(sx) / math.cos(sy) + math.cos(rot)
+    m = [d, -b, 0.0, -c, a, 0.0]
+    tx, ty = translate
+    m[2] += m[0] * (-cx - tx) + m[1] * (-cy - ty) + cx
+    m[5] += m[3] * (-cx - tx) + m[4] * (-cy - ty) + cy
+    fill = tuple([0] * len(img.getbands())) if len(img.getbands()) > 1 else 0
+    return img.transform(img.size, Image.AFFINE, m, _PIL_FILTER[interpolation], fillcolor=fill)
+
+
+def apply_op(img: Any, op: str, magnitude: float, interpolation: str) -> Any:
+    from PIL import ImageEnhance, ImageOps
+
+    if op == "ShearX":
+        return _affine(img, shear=(math.degrees(math.atan(magnitude)), 0.0), center=(0.0, 0.0), interpolation=interpolation)
+    if op == "ShearY":
+        return _affine(img, shear=(0.0, math.degrees(math.atan(magnitude))), center=(0.0, 0.0), interpolation=interpolation)
+    if op == "TranslateX":
+        return _affine(img, translate=(int(magnitude), 0), interpolation=interpolation)
+    if op == "TranslateY":
+        return _affine(img, translate=(0, int(magnitude)), interpolation=interpolation)
+    if op == "Rotate":
+        fill = tuple([0] * len(img.getbands())) if len(img.getbands()) > 1 else 0
+        return img.rotate(magnitude, _PIL_FILTER[interpolation], False, None, fillcolor=fill)
+    enhance = {"Brightness": ImageEnhance.Brightness, "Color": ImageEnhance.Color,
+               "Contrast": ImageEnhance.Contrast, "Sharpness": ImageEnhance.Sharpness}
+    if op in enhance:
+        return enhance[op](img).enhance(1.0 + magnitude)
+    if op == "Posterize":
+        return ImageOps.posterize(img, int(magnitude))
+    if op == "Solarize":
+        return ImageOps.solarize(img, magnitude)
+    if op == "AutoContrast":
+        return ImageOps.autocontrast(img)
+    if op == "Equalize":
+        return ImageOps.equalize(img)
+    if op == "Invert":
+        return ImageOps.invert(img)
+    raise ValueError(f"unknown AutoAugment op {op!r}")
+
+
+@dataclass(frozen=True)
+class AutoAugment:
+    """torchvision's AutoAugment: one of the policy's 25 sub-policies, each of its two ops applied with its
+    probability, a signed magnitude negated with probability 1/2."""
+
+    policy: str = "imagenet"
+    interpolation: str = "nearest"
+    random = True
+
+    def __call__(self, img: Any, g: torch.Generator | None) -> Any:
+        g = _need(g, self)
+        policies = _AUTOAUGMENT_POLICIES[self.policy]
+        pick = int(torch.randint(len(policies), (1,), generator=g).item())
+        probs = torch.rand((2,), generator=g)
+        signs = torch.randint(2, (2,), generator=g)
+        for i, (op, p, bin_) in enumerate(policies[pick]):
+            if probs[i] <= p:
+                mags, signed = magnitudes(op, img.width, img.height)
+                magnitude = float(mags[bin_].item()) if bin_ is not None else 0.0
+                if signed and signs[i] == 0:
+                    magnitude *= -1.0
+                img = apply_op(img, op, magnitude, self.interpolation)
+        return img
+
+
+def _need(g: torch.Generator | None, step: Any) -> torch.Generator:
+    if g is None:
+        raise ValueError(f"{type(step).__name__} is random and was given no per-sample generator")
+    return g
+
+
+# --------------------------------------------------------------------------------------------------
+# Pipelines and presets
+
+@dataclass(frozen=True)
+class Compose:
+    steps: tuple = ()
+
+    @property
+    def random(self) -> bool:
+        return any(s.random for s in self.steps)
+
+    def __call__(self, img: Any, g: torch.Generator | None = None) -> Any:
+        if not self.steps:
+            return img
+        img = img.convert("RGB")  # every official loader opens images as RGB before its transforms
+        for step in self.steps:
+            img = step(img, g)
+        return img
+
+
+@dataclass(frozen=True)
+class Preset:
+    """One code base's recipe: ``train(size)`` and ``evaluate(size)`` build the pipelines; ``source`` says where
+    the parameters come from (repository, file, function)."""
+
+    name: str
+    source: str
+    train: Callable[[int], Compose] = field(repr=False)
+    evaluate: Callable[[int], Compose] = field(repr=False)
+
+
+def _l2p_eval(size: int) -> Compose:
+    """l2p-pytorch build_transform(is_train=False): Resize(int(256 / 224 * size), bicubic) + CenterCrop(size)
+    above 32 pixels; ToTensor only at or below."""
+    if size <= 32:
+        return Compose()
+    return Compose((Resize(int((256 / 224) * size), "bicubic"), CenterCrop(size)))
+
+
+PRESETS: dict[str, Preset] = {p.name: p for p in [
+    Preset("none", "no augmentation: the backbone resizes to its input size",
+           lambda size: Compose(), lambda size: Compose()),
+    Preset("l2p", "JH-LEE-KR/l2p-pytorch datasets.py build_transform (same function in dualprompt-pytorch, "
+                  "thu-ml/HiDe-Prompt, Minhchuyentoancbn/MoE_PromptCL (NoRGa), ihaeyong/Soft-TF)",
+           lambda size: Compose((RandomResizedCrop(size, (0.05, 1.0), (3.0 / 4.0, 4.0 / 3.0), "bilinear"),
+                                 RandomHorizontalFlip(0.5))),
+           _l2p_eval),
+    Preset("coda", "GT-RIPL/CODA-Prompt dataloaders/utils.py get_transform (ImageNet-R, CIFAR-100)",
+           lambda size: Compose((RandomResizedCrop(size), RandomHorizontalFlip(0.5))),
+           lambda size: Compose((Resize((size, size), "bilinear"),))),
+    Preset("coda_domainnet", "GT-RIPL/CODA-Prompt dataloaders/utils.py get_transform (DomainNet)",
+           lambda size: Compose((RandomResizedCrop(size), RandomHorizontalFlip(0.5))),
+           lambda size: Compose((Resize((int(256 / 224 * size), int(256 / 224 * size)), "bilinear"), CenterCrop(size)))),
+    Preset("vpt_nsp2_cifar", "zugexiaodui/VPTinNSforCL utils/dataset_builder.py define_dataset, transform_type "
+                             "'autoaug' (the scripts' default), cifar100",
+           lambda size: Compose((AutoAugment("cifar10", "bilinear"), RandomResizedCrop(size, interpolation="bicubic"))),
+           lambda size: Compose((Resize((size, size), "bicubic"),))),
+    Preset("vpt_nsp2_imagenet", "zugexiaodui/VPTinNSforCL utils/dataset_builder.py define_dataset, transform_type "
+                                "'autoaug', imagenet_r / sdomainet",
+           lambda size: Compose((AutoAugment("imagenet", "bilinear"), RandomResizedCrop(size, interpolation="bilinear"))),
+           lambda size: Compose((Resize((int(256 / 224 * size), int(256 / 224 * size)), "bilinear"), CenterCrop(size)))),
+    Preset("vpt_nsp2_clip_cifar", "zugexiaodui/VPTinNSforCL utils/dataset_builder.py define_dataset, transform_type "
+                                  "'clip' (its CLIP scripts), cifar100: AutoAugment + crop, then CLIP's preprocess",
+           lambda size: Compose((AutoAugment("cifar10", "bilinear"), RandomResizedCrop(size, interpolation="bicubic"))),
+           lambda size: Compose((Resize(size, "bicubic"), CenterCrop(size)))),
+    Preset("vpt_nsp2_clip_imagenet", "zugexiaodui/VPTinNSforCL utils/dataset_builder.py define_dataset, transform_type "
+                                     "'clip', imagenet_r / sdomainet",
+           lambda size: Compose((AutoAugment("imagenet", "bilinear"), RandomResizedCrop(size, interpolation="bilinear"))),
+           lambda size: Compose((Resize(size, "bicubic"), CenterCrop(size)))),
+    Preset("clip", "openai/CLIP clip.py _transform (zero-shot CLIP: no training)",
+           lambda size: Compose(), lambda size: Compose((Resize(size, "bicubic"), CenterCrop(size)))),
+    Preset("star_cifar", "aimagelab/mammoth datasets/seq_cifar100_224.py TRANSFORM / TEST_TRANSFORM",
+           lambda size: Compose((RandomResizedCrop(size, interpolation="bicubic"), RandomHorizontalFlip(0.5))),
+           lambda size: Compose((Resize(size, "bicubic"),))),
+    Preset("star_imagenet_r", "aimagelab/mammoth datasets/seq_imagenet_r.py TRANSFORM / TEST_TRANSFORM",
+           lambda size: Compose((RandomResizedCrop(size, interpolation="bicubic"), RandomHorizontalFlip(0.5))),
+           lambda size: Compose((Resize((int(256 / 224 * size), int(256 / 224 * size)), "bicubic"), CenterCrop(size)))),
+]}
+
+
+def build(name: str, *, train: bool, size: int) -> Compose:
+    """The preset's train or eval pipeline for input size ``size``."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown transform preset {name!r} (have: {', '.join(PRESETS)})")
+    preset = PRESETS[name]
+    return preset.train(size) if train else preset.evaluate(size)
