@@ -358,10 +358,9 @@ def validate_config(data: dict, source: str = "<config>") -> RunConfig:
     except ValidationError as err:
         e = err.errors()[0]
         # MethodConfig's validator encodes the method Params' own key path as "@path@ message".
-        # A RunConfig cross-field check does the same with the config's key path (its loc is empty).
         m = re.search(r"@(.*?)@ (.*)", e.get("msg", ""))
-        if m and (not e["loc"] or e["loc"][0] == "method"):
-            key = m.group(1) if not e["loc"] else f"method.{m.group(1)}" if m.group(1) else "method"
+        if e["loc"] and e["loc"][0] == "method" and m:
+            key = f"method.{m.group(1)}" if m.group(1) else "method"
             raise ConfigError(f"config error in {source}: {key}: {m.group(2)}") from None
         raise ConfigError(_format_error(source, err)) from None
 

@@ -124,13 +124,12 @@ def preflight(cfg: RunConfig, base: Path | None = None, *, run_dir: Path | None 
 
     With ``run_dir`` (evaluation of an existing run) the run directory is taken as given, not checked.
     """
-    from mcit.engine import build_ds_config, resolve_ds_config_path
-
-    from mcit.data.transforms import PRESETS
-
-    base = base or Path.cwd()
     import inspect
 
+    from mcit.data.transforms import PRESETS
+    from mcit.engine import build_ds_config, resolve_ds_config_path
+
+    base = base or Path.cwd()
     for key in ("train_transform", "eval_transform"):
         name = getattr(cfg.data, key)
         if name not in PRESETS:

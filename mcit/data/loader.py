@@ -118,6 +118,8 @@ def _run(works: Iterator[_Work], collate: Collate, num_workers: int, pin_memory:
     data = _Collating(collate)
     if num_workers == 0:
         stream: Iterator = (data[w] for w in works)
+        if pin_memory:
+            stream = (out if isinstance(out, _Failed) else out.pin_memory() for out in stream)
     else:
         stream = iter(torch.utils.data.DataLoader(
             data, batch_size=None, sampler=works, num_workers=num_workers, collate_fn=_first,  # type: ignore[arg-type]
@@ -125,7 +127,7 @@ def _run(works: Iterator[_Work], collate: Collate, num_workers: int, pin_memory:
     for out in stream:
         if isinstance(out, _Failed):
             raise out.error
-        yield out if not (pin_memory and num_workers == 0) else out.pin_memory()
+        yield out
 
 
 def train_batches(
