@@ -109,12 +109,20 @@ class DataConfig(_Strict):
         return v
 
     def resolved_tasks(self, base: Path) -> list[TaskSpec]:
-        """Task specs with paths made absolute (relative paths are relative to ``base``)."""
+        """Task specs with local paths made absolute (relative paths are relative to ``base``); URLs and
+        ``pipe:`` locations as given (a bare task name under a remote root is joined to it, unchecked here:
+        pre-flight reads its manifest)."""
+        from mcit.locations import absolute, is_remote, join
+
         out: list[TaskSpec] = []
         for item in self.tasks:
             if isinstance(item, str):
                 if self.root is None:
                     raise ConfigError(f"data.tasks: task {item!r} is a bare name but data.root is not set")
+                if is_remote(self.root):
+                    out.append(TaskSpec(name=item, train=join(self.root, item, "train"),
+                                        test=join(self.root, item, "test")))
+                    continue
                 root = Path(self.root) if Path(self.root).is_absolute() else base / self.root
                 if not root.is_dir():
                     raise ConfigError(f"data.root: directory not found: {root}")
@@ -125,11 +133,8 @@ class DataConfig(_Strict):
                 spec = TaskSpec(name=item, train=str(root / item / "train"), test=str(root / item / "test"))
             else:
                 spec = item
-            spec = TaskSpec(
-                name=spec.name, scorer=spec.scorer,
-                train=str((base / spec.train).resolve()) if not Path(spec.train).is_absolute() else spec.train,
-                test=str((base / spec.test).resolve()) if not Path(spec.test).is_absolute() else spec.test,
-            )
+            spec = TaskSpec(name=spec.name, scorer=spec.scorer, train=absolute(spec.train, base),
+                            test=absolute(spec.test, base))
             out.append(spec)
         names = [t.name for t in out]
         dup = {n for n in names if names.count(n) > 1}
@@ -235,8 +240,10 @@ class RunConfig(_Strict):
         method.clip_path). run_dir is left as given: it names where this launch writes."""
         c = self.model_copy(deep=True)
 
+        from mcit.locations import is_remote
+
         def absolute(p: str | None, only_existing: bool = False) -> str | None:
-            if p is None or Path(p).is_absolute() or (only_existing and not (base / p).exists()):
+            if p is None or is_remote(p) or Path(p).is_absolute() or (only_existing and not (base / p).exists()):
                 return p
             return str((base / p).resolve())
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from mcit.config import ConfigError, RunConfig
 from mcit.data.shards import Split, open_split
+from mcit.locations import absolute
 from mcit.data.types import TaskSequence
 from mcit.models.base import BackboneError, backbone_class
 from mcit.registry import METHODS
@@ -162,7 +163,7 @@ def preflight(cfg: RunConfig, base: Path | None = None, *, run_dir: Path | None 
     for s, split in [(s, sp) for s, tr, te in zip(specs, train, test) for sp in (tr, te)]:
         is_instr = split.manifest.get("kind") == "instruction"
         if is_instr != generative:
-            raise ConfigError(f"data.tasks: task {s.name!r}: {split.directory} holds "
+            raise ConfigError(f"data.tasks: task {s.name!r}: {split.location} holds "
                               f"{'instruction' if is_instr else 'classification'} samples, but backbone.kind "
                               f"{bb.kind} needs {'instruction' if generative else 'classification'} data")
     scorers = None
@@ -189,8 +190,7 @@ def preflight(cfg: RunConfig, base: Path | None = None, *, run_dir: Path | None 
         if cfg.data.reference is None:
             raise ConfigError(f"data.reference: method {cfg.method.name} needs a split of the backbone's pre-training "
                               f"data for its pre-trained subspace (set data.reference)")
-        ref = Path(cfg.data.reference)
-        reference = open_split(ref if ref.is_absolute() else (base / ref).resolve(), cfg.data.verify)
+        reference = open_split(absolute(cfg.data.reference, base), cfg.data.verify)
     for s, tr, te in zip(specs, train, test):
         extra = set(te.label_space) - set(tr.label_space)
         if extra:

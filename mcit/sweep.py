@@ -302,7 +302,7 @@ def regroup(specs: list, sizes: list[int], class_order: list[int], dest: Path) -
     tasks' shards (train and test). Written to a temporary directory and renamed: all or nothing."""
     import shutil
 
-    from mcit.data.shards import open_split, tar_samples, write_split
+    from mcit.data.shards import open_split, write_split
 
     if (dest / "benchmark.json").is_file():
         return
@@ -319,15 +319,15 @@ def regroup(specs: list, sizes: list[int], class_order: list[int], dest: Path) -
             for sp in splits:
                 if not wanted & set(sp.label_space):
                     continue
-                for f in sp.shard_files:
-                    for s in tar_samples(f):
+                for i in range(len(sp.shard_counts)):
+                    for s in sp.shard_samples(i):
                         label = int(s["cls"].decode() if isinstance(s["cls"], bytes) else s["cls"])
                         if label in wanted:
                             samples.append({k: v for k, v in s.items() if k != "__url__"})
             write_split(tmp / f"task{j}" / kind, samples, shard_size=shard_size, label_space=sorted(wanted),
                         class_names={c: names[c] for c in wanted if c in names},
                         extra={"task": f"task{j}", "class_order": class_order,
-                               "sources": [str(sp.directory) for sp in splits]})
+                               "sources": [sp.location for sp in splits]})
     atomic_write_text(tmp / "benchmark.json", json.dumps(
         {"class_order": class_order, "task_sizes": sizes, "sources": [[s.train, s.test] for s in specs]}, indent=1))
     from mcit.checkpoint import publish_dir

@@ -13,10 +13,12 @@ per module: a random 32-wide ViT backbone (``backbone``) and a 3-task class sequ
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import yaml
@@ -137,6 +139,29 @@ def _write_config(cfg: dict, tmp: Path, name: str, sections: dict) -> Path:
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
+
+
+@contextlib.contextmanager
+def http_served(directory: Path) -> Iterator[str]:
+    """``directory`` served by the standard library's HTTP server on 127.0.0.1 (a free port) for the duration
+    of the block; yields its base URL. HEAD and GET, as a static file server or an object store's gateway."""
+    import functools
+    import http.server
+    import threading
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args) -> None:  # noqa: D401 - the test output stays readable
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(directory)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
 
 
 def snapshot(d: Path) -> dict[str, str]:

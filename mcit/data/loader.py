@@ -55,7 +55,7 @@ def classification_collate(preprocess: Callable, label_index: dict[int, int], ta
         for s in samples:
             image, label, key = decode_sample(s)
             if label not in label_index:
-                raise DataError(f"sample {key} in {split.directory}: label {label} is not in the task sequence's classes")
+                raise DataError(f"sample {key} in {split.location}: label {label} is not in the task sequence's classes")
             if transform is not None:
                 if random_transform and seed is None:
                     raise ValueError(f"sample {key}: a random train transform needs a seed")

@@ -29,9 +29,10 @@ import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import IO, Any, Iterator
 
 from mcit.checkpoint import atomic_write_text
+from mcit import locations as L
 
 MANIFEST = "manifest.json"
 FORMAT = "mcit-shards/1"
@@ -106,9 +107,10 @@ def write_manifest(directory: Path, shards: list[dict[str, Any]], label_space: l
 
 @dataclass(frozen=True)
 class Split:
-    """A validated split directory."""
+    """A validated split: its location (a local directory, a URL or a ``pipe:`` template; see
+    ``mcit.locations``) and its manifest."""
 
-    directory: Path
+    location: str
     manifest: dict
 
     @property
@@ -120,36 +122,74 @@ class Split:
         return [int(c) for c in self.manifest["label_space"]]
 
     @property
-    def shard_files(self) -> list[Path]:
-        return [self.directory / s["file"] for s in self.manifest["shards"]]
+    def shard_locations(self) -> list[str]:
+        return [L.file_location(self.location, s["file"]) for s in self.manifest["shards"]]
 
     @property
     def shard_counts(self) -> list[int]:
         return [int(s["num_samples"]) for s in self.manifest["shards"]]
 
+    def shard_samples(self, index: int) -> Iterator[dict]:
+        """The samples of shard ``index``: a local shard through the mmap reader; a remote one fetched whole,
+        checked against the manifest's size and sha256, then read the same way."""
+        where, entry = self.shard_locations[index], self.manifest["shards"][index]
+        if not L.is_remote(where):
+            yield from tar_samples(L.local_path(where))
+            return
+        try:
+            fh = L.spooled(where, size=int(entry["bytes"]), sha256=entry.get("sha256"))
+        except (OSError, ValueError) as e:
+            raise DataError(str(e)) from None
+        with fh:
+            yield from tar_samples(fh, url=where)
 
-def open_split(directory: str | Path, verify: str = "size") -> Split:
+
+def open_split(location: str | Path, verify: str = "size") -> Split:
     """Load a split's manifest and check every shard exists and matches (size or sha256).
 
+    A remote split's manifest is fetched and checked the same way; its shards are checked where their bytes
+    are read (``Split.shard_samples``: size and sha256 always), and an http(s) shard's existence and size are
+    asked of the server here (a HEAD request), so a missing one stops the run before any work.
     Raises DataError naming the manifest or the shard; meant to run before any expensive work.
     """
-    directory = Path(directory)
-    mpath = directory / MANIFEST
-    if not mpath.is_file():
-        raise DataError(f"missing manifest: {mpath}")
+    location = str(location)
     try:
-        manifest = json.loads(mpath.read_text())
+        L.check(location)
+    except L.LocationError as e:
+        raise DataError(str(e)) from None
+    mpath = L.file_location(location, MANIFEST)
+    remote = L.is_remote(location)
+    if remote:
+        try:
+            text = L.read_bytes(mpath)
+        except OSError as e:
+            raise DataError(f"missing manifest: {e}") from None
+    else:
+        if not L.local_path(mpath).is_file():
+            raise DataError(f"missing manifest: {mpath}")
+        text = L.local_path(mpath).read_bytes()
+    try:
+        manifest = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DataError(f"unreadable manifest {mpath}: {e}") from None
-    if manifest.get("format") != FORMAT:
-        raise DataError(f"{mpath}: format is {manifest.get('format')!r}, expected {FORMAT!r}")
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        got = manifest.get("format") if isinstance(manifest, dict) else None
+        raise DataError(f"{mpath}: format is {got!r}, expected {FORMAT!r}")
     for key in ("num_samples", "label_space", "shards"):
         if key not in manifest:
             raise DataError(f"{mpath}: key {key!r} is missing")
     if sum(int(s["num_samples"]) for s in manifest["shards"]) != int(manifest["num_samples"]):
         raise DataError(f"{mpath}: shard sample counts do not add up to num_samples")
-    for s in manifest["shards"]:
-        f = directory / s["file"]
+    split = Split(location, manifest)
+    for s, where in zip(manifest["shards"], split.shard_locations):
+        if remote:
+            if L.scheme(where) in ("http", "https"):
+                size = _http_size(where, mpath)
+                if size is not None and size != int(s["bytes"]):
+                    raise DataError(f"shard {where} has {size} bytes, manifest says {s['bytes']} "
+                                    f"(truncated or modified)")
+            continue
+        f = L.local_path(where)
         if not f.is_file():
             raise DataError(f"missing shard: {f} (listed in {mpath})")
         size = f.stat().st_size
@@ -157,7 +197,21 @@ def open_split(directory: str | Path, verify: str = "size") -> Split:
             raise DataError(f"shard {f} has {size} bytes, manifest says {s['bytes']} (truncated or modified)")
         if verify == "sha256" and sha256_file(f) != s["sha256"]:
             raise DataError(f"shard {f}: sha256 does not match the manifest (corrupted)")
-    return Split(directory, manifest)
+    return split
+
+
+def _http_size(url: str, manifest: str) -> int | None:
+    """The size an http(s) server reports for ``url`` (None when it reports none), asked with curl as
+    webdataset's reader will fetch it; DataError when the server has no such file."""
+    import subprocess
+
+    res = subprocess.run(["curl", "--connect-timeout", "30", "-f", "-s", "-S", "-L", "-I", url],
+                         capture_output=True, text=True)
+    if res.returncode != 0:
+        why = (res.stderr.strip().splitlines() or [f"curl exit {res.returncode}"])[-1]
+        raise DataError(f"missing shard: {url} (listed in {manifest}): {why}")
+    sizes = re.findall(r"(?im)^content-length:\s*(\d+)", res.stdout)
+    return int(sizes[-1]) if sizes else None
 
 
 def assign(split: Split, rank: int, world: int, policy: str = "auto") -> tuple[str, list[int], list[int]]:
@@ -189,7 +243,7 @@ def assign(split: Split, rank: int, world: int, policy: str = "auto") -> tuple[s
 _KEY = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")  # webdataset's base_plus_ext: key = path up to the first dot
 
 
-def _tar_members(path: Path) -> Iterator[tuple[str, bytes]]:
+def _tar_members(source: Path | IO[bytes], path: str | Path) -> Iterator[tuple[str, bytes]]:
     """(name, data) of every regular file in a tar, in order.
 
     Python's tarfile (what webdataset reads through) spends ~100 us of header parsing per member,
@@ -197,11 +251,14 @@ def _tar_members(path: Path) -> Iterator[tuple[str, bytes]]:
     (bench/shard_read_speed.py). This reads the file with one mmap and parses the 512-byte
     ustar headers directly (checksum checked; pax ``path`` and GNU long names understood), which the
     same benchmark measures several times faster; tests pin that it yields exactly what webdataset
-    yields on the same shards. Anything it does not understand is an error naming the shard.
+    yields on the same shards. Anything it does not understand is an error naming the shard (``path``).
+    ``source`` is the shard's path or an open file (a fetched remote shard).
     """
+    import contextlib
     import mmap
 
-    with open(path, "rb") as fh:
+    opened = open(source, "rb") if isinstance(source, (str, Path)) else contextlib.nullcontext(source)
+    with opened as fh:
         size = os.fstat(fh.fileno()).st_size
         if size == 0:
             raise DataError(f"cannot read shard {path}: empty file")
@@ -246,11 +303,13 @@ def _tar_members(path: Path) -> Iterator[tuple[str, bytes]]:
             raise DataError(f"cannot read shard {path}: no end-of-archive block (truncated)")
 
 
-def tar_samples(path: Path) -> Iterator[dict]:
+def tar_samples(source: Path | IO[bytes], url: str | None = None) -> Iterator[dict]:
     """Samples of one shard as webdataset groups them: consecutive files with the same key (the path up
-    to the first dot of the file name) form a sample ``{"__key__", "__url__", <ext>: bytes}``."""
+    to the first dot of the file name) form a sample ``{"__key__", "__url__", <ext>: bytes}``. ``source`` is
+    a path, or an open file whose location is ``url``."""
+    path = url if url is not None else str(source)
     current: dict | None = None
-    for name, data in _tar_members(path):
+    for name, data in _tar_members(source, path):
         m = _KEY.match(name)
         if m is None:
             continue
@@ -258,7 +317,7 @@ def tar_samples(path: Path) -> Iterator[dict]:
         if current is None or current["__key__"] != key:
             if current is not None:
                 yield current
-            current = {"__key__": key, "__url__": str(path)}
+            current = {"__key__": key, "__url__": path}
         if ext in current:
             raise DataError(f"cannot read shard {path}: sample {key} has two {ext!r} files")
         current[ext] = data
@@ -283,15 +342,15 @@ def iter_samples(
     A shard that cannot be read raises DataError naming it.
     """
     mode, mine, _ = assign(split, rank, world, policy)
-    files = [split.shard_files[i] for i in mine]
+    shards = list(mine)
     rng = random.Random(shuffle_seed) if shuffle_seed is not None else None
     if rng is not None:
-        rng.shuffle(files)
+        rng.shuffle(shards)
 
     def _raw() -> Iterator[dict]:
         index = 0
-        for f in files:
-            for sample in tar_samples(f):
+        for i in shards:
+            for sample in split.shard_samples(i):
                 if mode == "sample":
                     keep = index % world == rank
                     index += 1

@@ -182,6 +182,16 @@ def build_case(case: str, assets, work: Path, cfg: Path, done: Path, open_dir: P
         b[1000] ^= 0xFF
         f.write_bytes(bytes(b))
         return run([*data, "data.verify=sha256"], str(f), also=["sha256"])
+    if case == "pipe_without_placeholder":
+        return run([f"data.root=pipe:cat {shards}/task0/train/manifest.json"], "needs {} where the file's name goes",
+                   also=["pipe:cat"])
+    if case == "pipe_command_fails":
+        (shards / "task1" / "test" / "manifest.json").unlink()
+        return run([f"data.root=pipe:cat {shards}/{{}}"],
+                   f"missing manifest: cannot read pipe:cat {shards}/task1/test/manifest.json: the command exited")
+    if case == "unreachable_http_root":
+        return run(["data.root=http://127.0.0.1:9/shards"], "cannot read http://127.0.0.1:9/shards/task0/train/manifest"
+                   ".json: curl exit 7: cannot connect to the server")
     if case == "missing_manifest":
         (shards / "task0" / "test" / "manifest.json").unlink()
         return run(data, str(shards / "task0" / "test"))
@@ -311,7 +321,8 @@ CASES = [
     "config_missing_section", "override_without_equals", "override_bad_value", "override_into_a_value",
     "deepspeed_stage_7", "deepspeed_missing", "deepspeed_not_json", "deepspeed_batch_conflict", "run_dir_is_a_file",
     "run_dir_under_a_file", "run_dir_other_config", "run_dir_broken_state", "missing_shard", "truncated_shard",
-    "corrupted_shard_sha256", "missing_manifest", "broken_manifest", "manifest_without_shards",
+    "corrupted_shard_sha256", "pipe_without_placeholder", "pipe_command_fails", "unreachable_http_root",
+    "missing_manifest", "broken_manifest", "manifest_without_shards",
     "manifest_count_mismatch", "missing_data_root", "corrupted_shard_same_size", "sample_missing_member",
     "missing_backbone", "backbone_without_config", "backbone_broken_config", "backbone_broken_weights",
     "evaluate_not_a_run", "evaluate_no_checkpoint", "evaluate_bad_checkpoint_arg", "evaluate_unknown_task",

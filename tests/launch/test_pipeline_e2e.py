@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import EVALUATE, FAULTY, launch, run_main, snapshot, tiny_config
+from conftest import EVALUATE, FAULTY, http_served, launch, run_main, snapshot, tiny_config
 
 METRIC_KEYS = {"tasks", "acc_matrix", "final_avg_acc", "final_avg_acc_task_mean", "avg_incremental_acc",
                "forgetting", "bwt", "fwd"}
@@ -105,12 +105,20 @@ def test_preempted_then_killed_run_resumes_to_identical_metrics(assets, work, re
     assert got["acc_matrix"] == ref["acc_matrix"] and got["final_avg_acc"] == ref["final_avg_acc"]
 
 
-def test_loader_workers_change_no_batch_and_no_number(assets, work, reference_run):
-    """The reference run collates in 2 worker processes per rank with l2p's random crops and flips; the same
-    run with the collation in the training processes ends with the same matrix and the same logged losses."""
+def test_loader_workers_and_remote_shards_change_no_batch_and_no_number(assets, work, reference_run):
+    """The reference run reads local shards and collates in 2 worker processes per rank with l2p's random crops
+    and flips. The same run with the collation in the training processes and its shards streamed (task0 and
+    task2 from a loopback HTTP server as data.root, task1 through ``pipe:cat``) ends with the same matrix and
+    the same logged losses. (One run for both, to keep the suite's time: tests/unit/test_loader.py and
+    tests/unit/test_locations.py pin each on its own.)"""
     _, ref_dir, _ = reference_run
-    cfg = tiny_config(assets, work, "inline", data={"num_workers": 0})
-    res = launch(["--config", str(cfg)], launcher="deepspeed", nproc=2)
+    shards = assets["shards"]
+    with http_served(shards) as url:
+        cfg = tiny_config(assets, work, "inline", data={
+            "num_workers": 0, "root": url,
+            "tasks": ["task0", {"name": "task1", "train": f"pipe:cat {shards}/task1/train/{{}}",
+                                "test": f"pipe:cat {shards}/task1/test/{{}}"}, "task2"]})
+        res = launch(["--config", str(cfg)], launcher="deepspeed", nproc=2)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     got = json.loads((work / "runs" / "inline" / "metrics.json").read_text())
     ref = json.loads((ref_dir / "metrics.json").read_text())

@@ -13,8 +13,8 @@ from conftest import ROOT
 
 # Rooms from the bottom up: a module may import its own room and the rooms below it, never one above.
 ROOMS: list[tuple[str, tuple[str, ...]]] = [
-    ("foundation", ("mcit", "mcit.registry", "mcit.config", "mcit.checkpoint", "mcit.distributed", "mcit.rundir",
-                    "mcit.preemption", "mcit.metrics", "mcit.scorers", "mcit.subspace")),
+    ("foundation", ("mcit", "mcit.registry", "mcit.config", "mcit.checkpoint", "mcit.locations", "mcit.distributed",
+                    "mcit.rundir", "mcit.preemption", "mcit.metrics", "mcit.scorers", "mcit.subspace")),
     ("data", ("mcit.data",)),
     ("models", ("mcit.models",)),
     ("methods", ("mcit.methods",)),

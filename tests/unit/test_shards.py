@@ -1,5 +1,6 @@
 import io
 import json
+from pathlib import Path
 
 import pytest
 from PIL import Image
@@ -168,17 +169,17 @@ def test_steps_per_epoch_follow_the_largest_rank_and_round_to_grad_accum(tmp_pat
 
 
 def test_manifest_whose_count_disagrees_with_its_shards_is_refused(split):
-    mpath = split.directory / "manifest.json"
+    mpath = Path(split.location) / "manifest.json"
     m = json.loads(mpath.read_text())
     m["num_samples"] += 1
     mpath.write_text(json.dumps(m))
     with pytest.raises(DataError, match="shard sample counts do not add up to num_samples"):
-        open_split(split.directory)
+        open_split(split.location)
     m["num_samples"] -= 1
     m["shards"][3]["num_samples"] -= 1
     mpath.write_text(json.dumps(m))
     with pytest.raises(DataError, match="do not add up"):
-        open_split(split.directory)
+        open_split(split.location)
 
 
 def test_written_shards_are_byte_identical_and_the_manifest_keeps_class_names(tmp_path):
