@@ -101,6 +101,8 @@ bench: data-cil data
 	PATH=$(abspath $(BIN)):$$PATH DS_ACCELERATOR=cpu CUDA_VISIBLE_DEVICES= $(BIN)/python bench/engine_throughput.py
 	PATH=$(abspath $(BIN)):$$PATH DS_ACCELERATOR=cpu CUDA_VISIBLE_DEVICES= $(BIN)/python bench/subspace_memory.py
 	PATH=$(abspath $(BIN)):$$PATH DS_ACCELERATOR=cpu CUDA_VISIBLE_DEVICES= $(BIN)/python bench/shard_read_speed.py
+	$(RUN) $(BIN)/python bench/train_stage_throughput.py --epochs 10 --rounds 5
+	$(RUN) $(BIN)/python bench/eval_throughput.py --rounds 5
 
 clean:
 	rm -rf runs

@@ -9,6 +9,7 @@ The engine calls no method hook: ``mcit.lifecycle`` does, around ``TaskTrainer.t
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -24,7 +25,7 @@ from mcit import distributed as dist
 from mcit import preemption
 from mcit.checkpoint import WriteError, atomic_write_text
 from mcit.config import RunConfig
-from mcit.data.loader import global_valid, micro_steps_per_epoch, rank_counts, train_batches
+from mcit.data.loader import Epoch, global_valid, micro_steps_per_epoch, rank_counts, train_epochs
 from mcit.data.shards import Split
 from mcit.methods.base import Method
 
@@ -172,7 +173,8 @@ def on_optimizer_step(fn: StepCallback) -> StepCallback:
     """Register ``fn(task, global_step, engine)``, called on every rank after each optimizer step (after the
     step checkpoint, before the preemption check). Nothing registers one in a normal run; tests use it to
     kill or signal ranks at an exact step (tests/launch/workers/faulty_run.py) and to read the weights the
-    next forward will use (tests/launch/workers/zero_equivalence.py)."""
+    next forward will use (tests/launch/workers/zero_equivalence.py); bench/train_stage_throughput.py times
+    the steps with it."""
     _step_callbacks.append(fn)
     return fn
 
@@ -311,6 +313,16 @@ def train_step(engine: Any, batch: Any, scale: float,
     return terms, boundary
 
 
+def seed_step(seed: int, device: torch.device) -> None:
+    """Seed the generators a training step draws from (dropout, a method's sampling), so a resumed step draws
+    what the uninterrupted one drew. The CPU generator and, on CUDA, this rank's device: what
+    ``torch.manual_seed`` seeds here, without its walk over every other backend (about 1 ms a step, 2% of a
+    small model's step, measured with bench/train_stage_throughput.py)."""
+    torch.random.default_generator.manual_seed(seed)
+    if device.type == "cuda":
+        torch.cuda.manual_seed(seed)
+
+
 def finite_loss_guard(loss: torch.Tensor, task: int, step: int) -> torch.Tensor:
     """The train stage's check before each backward: one all-reduce of the loss, so a NaN / inf on any rank
     reaches every rank and all stop (or skip) together. bench/engine_throughput.py times the engine step
@@ -376,69 +388,72 @@ class TaskTrainer:
         def check(loss: torch.Tensor) -> torch.Tensor:
             return finite_loss_guard(loss, task, gstep + 1)
 
-        for epoch in range(epoch0, t.epochs):
-            skip = micro0 if epoch == epoch0 else 0
-            batches = train_batches(
-                split, rank=rank, world=world, batch_size=B, num_steps=steps_epoch, skip_steps=skip,
-                seed=data_seed(cfg.seed, task, epoch, rank), policy=policy, shuffle_buffer=cfg.data.shuffle_buffer,
-                collate=collate, aug_seed=data_seed(cfg.seed + 13, task, epoch, 0), num_workers=cfg.data.num_workers,
-                pin_memory=device.type == "cuda")
-            for s, batch in zip(range(skip, steps_epoch), batches):
-                w0 = (s // gas) * gas
-                n_window = sum(global_valid(counts, k, B) for k in range(w0, w0 + gas))
-                if n_window == 0:
-                    continue  # an all-padding accumulation window (same on every rank): no step at all
-                torch.manual_seed(data_seed(cfg.seed + 7, task, epoch * 1_000_000 + s, rank))
-                batch = batch.to(device, non_blocking=True)
-                try:
-                    terms, boundary = train_step(engine, batch, world * gas / n_window, check)
-                except _NonFiniteLoss as e:
-                    where = f"task {task} step {gstep + 1}: loss is {nonfinite_word(e.value)}"
-                    if t.on_nonfinite == "stop":
-                        raise NonFiniteError(f"{where} (train.on_nonfinite: stop; the last committed checkpoint "
-                                             f"is kept)") from None
-                    skipped += 1
-                    self.logger.log({"task": task, "epoch": epoch, "step": gstep, "micro_step": s,
-                                     "nonfinite_skipped": skipped, "time": time.time()}, step=gstep)
-                    if skipped > t.max_nonfinite_steps:
-                        raise NonFiniteError(f"{where}; {skipped} micro-batches skipped in this task, more than "
-                                             f"train.max_nonfinite_steps={t.max_nonfinite_steps}") from None
-                    continue
-                if boundary:
-                    norm = engine.get_global_grad_norm()
-                    if norm is not None and not math.isfinite(float(norm)):  # the same global value on every rank
-                        raise NonFiniteError(f"task {task} step {gstep + 1}: gradient norm is "
-                                             f"{nonfinite_word(float(norm))} (the update is already in the weights, "
-                                             f"so this always stops; the last committed checkpoint is kept)")
-                valid = batch.valid.to(terms.per_sample.dtype)
-                loss_sum += float((terms.per_sample.detach() * valid).sum())
-                valid_sum += float(valid.sum())
-                seen += global_valid(counts, s, B)
-                if not boundary:
-                    continue
-                gstep += 1
-                rate = seen / max(time.perf_counter() - t_start, 1e-9)
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{loss_sum / max(valid_sum, 1):.4f}", samples_s=f"{rate:.1f}", refresh=False)
-                if gstep % t.log_every == 0 or gstep == total_opt_steps:
-                    rec = {"task": task, "epoch": epoch, "step": gstep,
-                           "loss": loss_sum / max(valid_sum, 1), "lr": engine.get_lr()[0], "samples_per_s": rate,
-                           **terms.logs, "time": time.time()}
-                    self.logger.log(rec, step=gstep)
-                    loss_sum, valid_sum = 0.0, 0.0
-                nxt_epoch, nxt = (epoch, s + 1) if s + 1 < steps_epoch else (epoch + 1, 0)
-                saved = gstep % t.checkpoint_every == 0 and gstep < total_opt_steps
-                if saved:
-                    self._save_step(engine, step_dir, gstep, nxt_epoch, nxt, world)
-                for callback in _step_callbacks:
-                    callback(task, gstep, engine)
-                if preemption.agreed(self.preempt_request):
-                    if not saved:
-                        self._save_step(engine, step_dir, gstep, nxt_epoch, nxt, world)
+        epochs = [Epoch(micro0 if epoch == epoch0 else 0, data_seed(cfg.seed, task, epoch, rank),
+                        data_seed(cfg.seed + 13, task, epoch, 0)) for epoch in range(epoch0, t.epochs)]
+        stream = train_epochs(split, epochs, rank=rank, world=world, batch_size=B, num_steps=steps_epoch, policy=policy,
+                              shuffle_buffer=cfg.data.shuffle_buffer, collate=collate, num_workers=cfg.data.num_workers,
+                              pin_memory=device.type == "cuda")
+        with contextlib.closing(stream) as batches:  # the loader workers stop here, whatever ends the loop
+            for epoch, e in zip(range(epoch0, t.epochs), epochs):
+                # the range first: zip stops at the epoch's end without taking the next epoch's first batch
+                for s, batch in zip(range(e.skip_steps, steps_epoch), batches):
+                    w0 = (s // gas) * gas
+                    n_window = sum(global_valid(counts, k, B) for k in range(w0, w0 + gas))
+                    if n_window == 0:
+                        continue  # an all-padding accumulation window (same on every rank): no step at all
+                    seed_step(data_seed(cfg.seed + 7, task, epoch * 1_000_000 + s, rank), device)
+                    batch = batch.to(device, non_blocking=True)
+                    try:
+                        terms, boundary = train_step(engine, batch, world * gas / n_window, check)
+                    except _NonFiniteLoss as e:
+                        where = f"task {task} step {gstep + 1}: loss is {nonfinite_word(e.value)}"
+                        if t.on_nonfinite == "stop":
+                            raise NonFiniteError(f"{where} (train.on_nonfinite: stop; the last committed checkpoint "
+                                                 f"is kept)") from None
+                        skipped += 1
+                        self.logger.log({"task": task, "epoch": epoch, "step": gstep, "micro_step": s,
+                                         "nonfinite_skipped": skipped, "time": time.time()}, step=gstep)
+                        if skipped > t.max_nonfinite_steps:
+                            raise NonFiniteError(f"{where}; {skipped} micro-batches skipped in this task, more than "
+                                                 f"train.max_nonfinite_steps={t.max_nonfinite_steps}") from None
+                        continue
+                    if boundary:
+                        norm = engine.get_global_grad_norm()
+                        if norm is not None and not math.isfinite(float(norm)):  # the same global value on every rank
+                            raise NonFiniteError(f"task {task} step {gstep + 1}: gradient norm is "
+                                                 f"{nonfinite_word(float(norm))} (the update is already in the "
+                                                 f"weights, so this always stops; the last committed checkpoint "
+                                                 f"is kept)")
+                    valid = batch.valid.to(terms.per_sample.dtype)
+                    loss_sum += float((terms.per_sample.detach() * valid).sum())
+                    valid_sum += float(valid.sum())
+                    seen += global_valid(counts, s, B)
+                    if not boundary:
+                        continue
+                    gstep += 1
+                    rate = seen / max(time.perf_counter() - t_start, 1e-9)
                     if bar is not None:
-                        bar.close()
-                    raise preemption.Preempted(f"task {task}, optimizer step {gstep} (step checkpoint committed)")
+                        bar.update(1)
+                        bar.set_postfix(loss=f"{loss_sum / max(valid_sum, 1):.4f}", samples_s=f"{rate:.1f}",
+                                        refresh=False)
+                    if gstep % t.log_every == 0 or gstep == total_opt_steps:
+                        rec = {"task": task, "epoch": epoch, "step": gstep,
+                               "loss": loss_sum / max(valid_sum, 1), "lr": engine.get_lr()[0], "samples_per_s": rate,
+                               **terms.logs, "time": time.time()}
+                        self.logger.log(rec, step=gstep)
+                        loss_sum, valid_sum = 0.0, 0.0
+                    nxt_epoch, nxt = (epoch, s + 1) if s + 1 < steps_epoch else (epoch + 1, 0)
+                    saved = gstep % t.checkpoint_every == 0 and gstep < total_opt_steps
+                    if saved:
+                        self._save_step(engine, step_dir, gstep, nxt_epoch, nxt, world)
+                    for callback in _step_callbacks:
+                        callback(task, gstep, engine)
+                    if preemption.agreed(self.preempt_request):
+                        if not saved:
+                            self._save_step(engine, step_dir, gstep, nxt_epoch, nxt, world)
+                        if bar is not None:
+                            bar.close()
+                        raise preemption.Preempted(f"task {task}, optimizer step {gstep} (step checkpoint committed)")
         if bar is not None:
             bar.close()
         state = consolidated_state(engine, stage)

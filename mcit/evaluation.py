@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from mcit import distributed as dist
-from mcit.data.loader import eval_batches
+from mcit.data.loader import eval_batches, eval_parts
 from mcit.data.shards import Split
 from mcit.methods.base import Method
 
@@ -76,19 +76,17 @@ def evaluate_tasks(method: Method, splits: list[Split], *, batch_size: int, poli
     if progress and dist.is_main():
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(splits), desc=desc, unit="task", leave=False, dynamic_ncols=True,
-                   mininterval=0.5 if sys.stderr.isatty() else 10.0)
-    for i, split in enumerate(splits):
-        for batch in eval_batches(split, rank=dist.rank(), world=dist.world_size(), batch_size=batch_size,
-                                  policy=policy, collate=collates[i], num_workers=num_workers,
-                                  pin_memory=device.type == "cuda"):
-            batch.allowed_classes = allowed_classes
-            batch = batch.to(device, non_blocking=True)
-            pred = method.predict(batch)
-            counts[i, 0] += float((pred == batch.labels).sum())
-            counts[i, 1] += len(batch)
+        bar = tqdm(total=sum(s.num_samples for s in splits), desc=desc, unit="sample", leave=False,
+                   dynamic_ncols=True, mininterval=0.5 if sys.stderr.isatty() else 10.0)
+    for i, batch in eval_parts(splits, collates, rank=dist.rank(), world=dist.world_size(), batch_size=batch_size,
+                               policy=policy, num_workers=num_workers, pin_memory=device.type == "cuda"):
+        batch.allowed_classes = allowed_classes
+        batch = batch.to(device, non_blocking=True)
+        pred = method.predict(batch)
+        counts[i, 0] += float((pred == batch.labels).sum())
+        counts[i, 1] += len(batch)
         if bar is not None:
-            bar.update(1)
+            bar.update(len(batch) * dist.world_size())
     if bar is not None:
         bar.close()
     dist.all_reduce_sum(counts)
@@ -134,18 +132,19 @@ def evaluate_generation(method: Method, splits: list[Split], *, batch_size: int,
 
         bar = tqdm(total=sum(s.num_samples for s in splits), desc=desc, unit="sample", leave=False,
                    dynamic_ncols=True, mininterval=0.5 if sys.stderr.isatty() else 10.0)
-    for i, split in enumerate(splits):
-        corpus = scorers[i] in C.CORPUS  # a corpus metric (CIDEr ...): scored once over every rank's answers
-        score = None if corpus else S.get(scorers[i])
-        rows = []
-        for batch in eval_batches(split, rank=dist.rank(), world=dist.world_size(), batch_size=batch_size,
-                                  policy=policy, collate=collates[i], num_workers=num_workers,
-                                  pin_memory=device.type == "cuda"):
-            preds = method.generate(batch.to(device, non_blocking=True), max_new_tokens)
-            for pred, ref in zip(preds, batch.meta):
-                rows.append(answer_row(ref, pred, None if score is None else score(pred, ref), model_id))
-            if bar is not None:
-                bar.update(len(batch) * dist.world_size())
+    corpora = [name in C.CORPUS for name in scorers]  # a corpus metric (CIDEr ...): scored once over all answers
+    score_fns = [None if corpus else S.get(name) for corpus, name in zip(corpora, scorers)]
+    answered: list[list[dict]] = [[] for _ in splits]
+    for i, batch in eval_parts(splits, collates, rank=dist.rank(), world=dist.world_size(), batch_size=batch_size,
+                               policy=policy, num_workers=num_workers, pin_memory=device.type == "cuda"):
+        preds = method.generate(batch.to(device, non_blocking=True), max_new_tokens)
+        score = score_fns[i]
+        for pred, ref in zip(preds, batch.meta):
+            answered[i].append(answer_row(ref, pred, None if score is None else score(pred, ref), model_id))
+        if bar is not None:
+            bar.update(len(batch) * dist.world_size())
+    for i, rows in enumerate(answered):
+        corpus = corpora[i]
         gathered = sorted((r for part in dist.gather_objects(rows) for r in part), key=lambda r: r["key"])
         name = f"{file_ids[i] if file_ids else i}"
         if corpus:  # rank 0 runs the metric; every rank gets its value

@@ -9,8 +9,9 @@ loss so the gradient is the mean over exactly the real samples.
 
 from __future__ import annotations
 
+import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterator
 
 import torch
@@ -55,7 +56,8 @@ def classification_collate(preprocess: Callable, label_index: dict[int, int], ta
         for s in samples:
             image, label, key = decode_sample(s)
             if label not in label_index:
-                raise DataError(f"sample {key} in {split.location}: label {label} is not in the task sequence's classes")
+                raise DataError(f"sample {key} in {split.location}: label {label} is not in the task sequence's "
+                                f"classes")
             if transform is not None:
                 if random_transform and seed is None:
                     raise ValueError(f"sample {key}: a random train transform needs a seed")
@@ -80,6 +82,7 @@ class _Work:
     seed: int | None
     pad_to: int  # 0: no padding (evaluation)
     fallback: dict | None  # a sample to pad an empty batch with (the split's first)
+    part: int = 0  # which collate (eval_parts: which split)
 
 
 @dataclass
@@ -90,18 +93,78 @@ class _Failed:
     error: BaseException
 
 
+_SMALL = 1 << 20  # a packed batch up to this size travels as bytes through the result pipe
+
+
+@dataclass
+class _Packed:
+    """A batch built in a worker with every tensor in one buffer. torch sends each tensor of a worker's result
+    as its own shared-memory file descriptor, with a connection handshake each (about 0.6 ms per tensor here,
+    measured with bench/train_stage_throughput.py): for a small batch that cost more than collating it in the
+    training process. One buffer is one handshake, and a small one (up to ``_SMALL``) none: plain bytes."""
+
+    batch: Batch  # its tensors are empty placeholders
+    buffer: torch.Tensor | bytes
+    layout: list[tuple[str, torch.dtype, tuple[int, ...], int, int]]  # (field, dtype, shape, offset, bytes)
+
+    @staticmethod
+    def of(batch: Batch) -> "_Packed":
+        parts, layout, offset = [], [], 0
+        for name, t in _tensor_fields(batch):
+            flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+            pad = -offset % 16  # every field starts aligned for any dtype
+            if pad:
+                parts.append(torch.zeros(pad, dtype=torch.uint8))
+            offset += pad
+            layout.append((name, t.dtype, tuple(t.shape), offset, flat.numel()))
+            parts.append(flat)
+            offset += flat.numel()
+        buffer = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)
+        empty = _replace_fields(batch, {name: torch.empty(0) for name, *_ in layout})
+        return _Packed(empty, buffer.numpy().tobytes() if offset <= _SMALL else buffer, layout)
+
+    def pin_memory(self) -> "_Packed":  # torch's pin-memory thread calls this: one page-locked copy
+        return _Packed(self.batch, self._tensor().pin_memory(), self.layout)
+
+    def _tensor(self) -> torch.Tensor:
+        if isinstance(self.buffer, bytes):
+            return torch.frombuffer(bytearray(self.buffer), dtype=torch.uint8)
+        return self.buffer
+
+    def unpack(self) -> Batch:
+        buf = self._tensor()
+        return _replace_fields(self.batch, {name: buf[off:off + n].view(dtype).reshape(shape)
+                                            for name, dtype, shape, off, n in self.layout})
+
+
+def _tensor_fields(batch: Batch) -> list[tuple[str, torch.Tensor]]:
+    out = [("pixel_values", batch.pixel_values), ("labels", batch.labels), ("valid", batch.valid)]
+    if batch.allowed_classes is not None:
+        out.append(("allowed_classes", batch.allowed_classes))
+    return out + [(f"inputs.{k}", v) for k, v in batch.inputs.items()]
+
+
+def _replace_fields(batch: Batch, tensors: dict[str, torch.Tensor]) -> Batch:
+    inputs = {k: tensors.get(f"inputs.{k}", v) for k, v in batch.inputs.items()}
+    top = {k: v for k, v in tensors.items() if not k.startswith("inputs.")}
+    return replace(batch, inputs=inputs, **top)
+
+
 class _Collating(torch.utils.data.Dataset):
-    """A map-style dataset whose index is the work item itself."""
+    """A map-style dataset whose index is the work item itself; in a worker process, the result is packed."""
 
-    def __init__(self, collate: Collate) -> None:
-        self.collate = collate
+    def __init__(self, collates: list[Collate]) -> None:
+        self.collates = collates
 
-    def __getitem__(self, work: _Work) -> Batch | _Failed:  # type: ignore[override]
+    def __getitem__(self, work: _Work) -> Batch | _Packed | _Failed:  # type: ignore[override]
         try:
-            batch = self.collate(work.samples, seed=work.seed) if work.samples else None
+            collate = self.collates[work.part]
+            batch = collate(work.samples, seed=work.seed) if work.samples else None
             if work.pad_to and (batch is None or len(batch) < work.pad_to):
-                template = batch if batch is not None else self.collate([work.fallback], seed=work.seed)
+                template = batch if batch is not None else collate([work.fallback], seed=work.seed)
                 batch = _pad(batch, template, work.pad_to)
+            if batch is not None and torch.utils.data.get_worker_info() is not None:
+                return _Packed.of(batch)
             return batch
         except Exception as e:  # noqa: BLE001 - re-raised as it is in the main process
             return _Failed(e)
@@ -114,20 +177,64 @@ def _first(work: _Work) -> _Work:
     return work
 
 
-def _run(works: Iterator[_Work], collate: Collate, num_workers: int, pin_memory: bool) -> Iterator[Batch]:
-    data = _Collating(collate)
+def _run(works: Iterator[_Work], collates: list[Collate], num_workers: int, pin_memory: bool) -> Iterator[Batch]:
+    """The batches of ``works`` in order. With workers, the first one is built here while the workers start
+    and take the next ones, so a stream starts as soon as in-process collation would (the worker start-up
+    and the first batch's trip through them cost a short evaluation more than its collation)."""
+    data = _Collating(collates)
+
+    def here(items: Iterator[_Work]) -> Iterator:
+        for w in items:
+            out = data[w]
+            yield out.pin_memory() if pin_memory and not isinstance(out, _Failed) and out is not None else out
+
+    works = iter(works)
     if num_workers == 0:
-        stream: Iterator = (data[w] for w in works)
-        if pin_memory:
-            stream = (out if isinstance(out, _Failed) else out.pin_memory() for out in stream)
+        stream: Iterator = here(works)
     else:
-        stream = iter(torch.utils.data.DataLoader(
+        first = next(works, None)
+        rest = iter(torch.utils.data.DataLoader(
             data, batch_size=None, sampler=works, num_workers=num_workers, collate_fn=_first,  # type: ignore[arg-type]
-            pin_memory=pin_memory, prefetch_factor=4))
+            pin_memory=pin_memory, prefetch_factor=4))  # the workers start now, on the items after the first
+        stream = itertools.chain(here(iter([first] if first is not None else [])), rest)
     for out in stream:
         if isinstance(out, _Failed):
             raise out.error
-        yield out
+        yield out.unpack() if isinstance(out, _Packed) else out
+
+
+@dataclass(frozen=True)
+class Epoch:
+    """One epoch of a rank's training stream: the micro steps already done (a resume), the seed that orders
+    the samples (it may differ per rank) and the one that seeds their augmentation (the same on every rank,
+    so a sample's crops do not depend on the world size)."""
+
+    skip_steps: int
+    seed: int
+    aug_seed: int | None = None
+
+
+def train_epochs(
+    split: Split, epochs: list[Epoch], *, rank: int, world: int, batch_size: int, num_steps: int, policy: str,
+    shuffle_buffer: int, collate: Collate, num_workers: int = 0, pin_memory: bool = False,
+) -> Iterator[Batch]:
+    """For each of ``epochs`` in turn, exactly ``num_steps - skip_steps`` batches of size ``batch_size`` for this
+    rank, as one stream: the loader workers start once per stream (not per epoch) and keep preparing across an
+    epoch's end. A short batch is padded with zero-weight copies of its own rows, an empty one with copies of
+    the split's first sample.
+    """
+    def works() -> Iterator[_Work]:
+        fallback = None
+        for e in epochs:
+            stream = iter_samples(split, rank, world, policy=policy, shuffle_seed=e.seed,
+                                  shuffle_buffer=shuffle_buffer, skip=e.skip_steps * batch_size)
+            for _ in range(e.skip_steps, num_steps):
+                chunk = [s for _, s in zip(range(batch_size), stream)]
+                if not chunk and fallback is None:
+                    fallback = next(iter_samples(split, 0, 1, policy="sample"))
+                yield _Work(chunk, e.aug_seed, batch_size, fallback if not chunk else None)
+
+    return _run(works(), [collate], num_workers, pin_memory)
 
 
 def train_batches(
@@ -135,23 +242,10 @@ def train_batches(
     policy: str, shuffle_buffer: int, collate: Collate, aug_seed: int | None = None, num_workers: int = 0,
     pin_memory: bool = False,
 ) -> Iterator[Batch]:
-    """Exactly ``num_steps - skip_steps`` batches of size ``batch_size`` for this rank.
-
-    ``seed`` orders the samples (it may differ per rank); ``aug_seed`` seeds their augmentation (the same on
-    every rank, so a sample's crops do not depend on the world size). A short batch is padded with
-    zero-weight copies of its own rows, an empty one with copies of the split's first sample.
-    """
-    def works() -> Iterator[_Work]:
-        stream = iter_samples(split, rank, world, policy=policy, shuffle_seed=seed, shuffle_buffer=shuffle_buffer,
-                              skip=skip_steps * batch_size)
-        fallback = None
-        for _ in range(skip_steps, num_steps):
-            chunk = [s for _, s in zip(range(batch_size), stream)]
-            if not chunk and fallback is None:
-                fallback = next(iter_samples(split, 0, 1, policy="sample"))
-            yield _Work(chunk, aug_seed, batch_size, fallback if not chunk else None)
-
-    return _run(works(), collate, num_workers, pin_memory)
+    """One epoch of ``train_epochs``."""
+    return train_epochs(split, [Epoch(skip_steps, seed, aug_seed)], rank=rank, world=world, batch_size=batch_size,
+                        num_steps=num_steps, policy=policy, shuffle_buffer=shuffle_buffer, collate=collate,
+                        num_workers=num_workers, pin_memory=pin_memory)
 
 
 def _pad(batch: Batch | None, template: Batch, size: int) -> Batch:
@@ -167,17 +261,33 @@ def _pad(batch: Batch | None, template: Batch, size: int) -> Batch:
     return Batch.concat([batch, extra])
 
 
+def eval_parts(splits: list[Split], collates: list[Collate], *, rank: int, world: int, batch_size: int,
+               policy: str, num_workers: int = 0, pin_memory: bool = False) -> Iterator[tuple[int, Batch]]:
+    """(split index, batch) over this rank's part of each split in turn, in manifest order, unpadded (evaluation
+    runs no collectives). One stream: the loader workers start once for all the splits and prepare the next
+    split's first batches while the current one is evaluated (an evaluation row is many small test splits)."""
+    parts: list[int] = []  # the split of each work item handed out; results come back in the same order
+
+    def works() -> Iterator[_Work]:
+        for i, split in enumerate(splits):
+            chunk: list[dict] = []
+            for s in iter_samples(split, rank, world, policy=policy):
+                chunk.append(s)
+                if len(chunk) == batch_size:
+                    parts.append(i)
+                    yield _Work(chunk, None, 0, None, i)
+                    chunk = []
+            if chunk:
+                parts.append(i)
+                yield _Work(chunk, None, 0, None, i)
+
+    for n, batch in enumerate(_run(works(), collates, num_workers, pin_memory)):
+        yield parts[n], batch
+
+
 def eval_batches(split: Split, *, rank: int, world: int, batch_size: int, policy: str,
                  collate: Collate, num_workers: int = 0, pin_memory: bool = False) -> Iterator[Batch]:
-    """This rank's part of a split in manifest order, unpadded (evaluation runs no collectives)."""
-    def works() -> Iterator[_Work]:
-        chunk: list[dict] = []
-        for s in iter_samples(split, rank, world, policy=policy):
-            chunk.append(s)
-            if len(chunk) == batch_size:
-                yield _Work(chunk, None, 0, None)
-                chunk = []
-        if chunk:
-            yield _Work(chunk, None, 0, None)
-
-    return _run(works(), collate, num_workers, pin_memory)
+    """This rank's part of one split: ``eval_parts`` of one."""
+    for _, batch in eval_parts([split], [collate], rank=rank, world=world, batch_size=batch_size, policy=policy,
+                               num_workers=num_workers, pin_memory=pin_memory):
+        yield batch

@@ -212,6 +212,50 @@ def test_llava_json_converter(tmp_path):
     assert str(tmp_path / "d.json") in r.stderr and not (tmp_path / "split2").exists()
 
 
+def _batch_rows_equal_one_sample_batches(bb, mcit_assets) -> None:
+    """The processor runs once over a batch's images (MLLMBackbone.encode_batch); each row of the batch -- its
+    tokens, pixel values (Qwen2-VL: its own patches and grid), Q-Former instruction -- is what the sample
+    collated alone gives. Samples from two tasks, and one with a larger image and a longer question (another
+    Qwen2-VL grid, another Q-Former length)."""
+    import io
+    import json
+
+    from PIL import Image
+
+    from mcit.data.shards import iter_samples, open_split
+
+    split = open_split(mcit_assets["shards"] / "colour" / "test")
+    other = open_split(mcit_assets["shards"] / "count" / "test")
+    samples = [*list(iter_samples(split, 0, 1, policy="sample"))[:2], *list(iter_samples(other, 0, 1))[:2]]
+    big, rec = dict(samples[1]), json.loads(samples[1]["json"])
+    image = Image.open(io.BytesIO(big["png"]))
+    buf = io.BytesIO()
+    image.resize((image.width * 2, image.height * 3)).save(buf, format="PNG")
+    rec["conversations"][0]["value"] += " Say the colour of the shape in the picture, please."
+    samples.append({**big, "__key__": "big", "png": buf.getvalue(), "json": json.dumps(rec).encode()})
+    for train in (True, False):
+        collate = bb.make_collate(split, 0, train=train)
+        batch = collate(samples)
+        assert not torch.equal(batch.pixel_values[0], batch.pixel_values[2])
+        for i, s in enumerate(samples):
+            one = collate([s])
+            row = batch.inputs["attention_mask"][i].bool()
+            assert batch.inputs["input_ids"][i][row].tolist() == one.inputs["input_ids"][0].tolist()
+            if "image_grid_thw" in one.inputs:
+                assert torch.equal(batch.inputs["image_grid_thw"][i], one.inputs["image_grid_thw"][0])
+                k = int(one.inputs["image_grid_thw"][0].prod())
+                assert torch.equal(batch.pixel_values[i][:k], one.pixel_values[0][:k])
+            else:
+                assert torch.equal(batch.pixel_values[i], one.pixel_values[0])
+            if "qformer_input_ids" in one.inputs:
+                q = batch.inputs["qformer_attention_mask"][i].bool()
+                assert batch.inputs["qformer_input_ids"][i][q].tolist() == one.inputs["qformer_input_ids"][0].tolist()
+
+
+def test_llava_batch_rows_equal_one_sample_batches(llava, mcit_assets):
+    _batch_rows_equal_one_sample_batches(llava[0], mcit_assets)
+
+
 def test_instructblip_backbone_trains_prompts_and_generates_per_sample(mcit_assets, tmp_path):
     from mcit.data import tiny_mcit as B
     from mcit.data.shards import iter_samples, open_split
@@ -225,6 +269,7 @@ def test_instructblip_backbone_trains_prompts_and_generates_per_sample(mcit_asse
     proc.save_pretrained(tmp_path / "iblip")
     bb = load_backbone("instructblip", str(tmp_path / "iblip"))
     assert bb.kind == "instructblip"
+    _batch_rows_equal_one_sample_batches(bb, mcit_assets)
     split = open_split(mcit_assets["shards"] / "colour" / "test")
     samples = list(iter_samples(split, 0, 1, policy="sample"))[:5]
     batch = bb.make_collate(split, 0, train=True)(samples)
@@ -273,6 +318,7 @@ def test_qwen2_vl_backbone_mrope_prompts_and_own_greedy_loop(mcit_assets, tmp_pa
     model.save_pretrained(tmp_path / "qwen")
     proc.save_pretrained(tmp_path / "qwen")
     bb = load_backbone("qwen2_vl", str(tmp_path / "qwen"))
+    _batch_rows_equal_one_sample_batches(bb, mcit_assets)
     split = open_split(mcit_assets["shards"] / "colour" / "test")
     samples = list(iter_samples(split, 0, 1, policy="sample"))[:5]
     ev = bb.make_collate(split, 0, train=False)(samples[:3])

@@ -1,0 +1,150 @@
+#!/usr/bin/env python
+"""The pipeline's evaluation of instruction tasks against bare ``generate`` calls, in one run, same answers.
+
+Same model (the config's multimodal backbone in its zero-shot state: the method's prompts bypassed, as in the
+pipeline's zero-shot row, so transformers' own ``generate`` computes the same thing), same prompts (the test
+splits' samples, collated once before timing by the pipeline's own collate for the bare paths):
+
+* pipeline: ``mcit.evaluation.evaluate_generation`` as the eval stage runs it: shards read, decoded and
+  collated by ``data.num_workers`` loader workers, the method's ``generate`` (batched greedy decoding with the
+  KV cache), scoring, gathering and the answers file written.
+* bare batched: ``model.generate(input_ids, pixel_values, attention_mask)`` of the transformers model on the
+  pre-collated batches (``eval.batch_size``, left padding), greedy, the same ``max_new_tokens``.
+* bare per question: the same ``generate`` once per question, unpadded (what a loop over a dataset's
+  questions does; most MCIT code bases evaluate this way).
+
+The three produce answers per question key; the bench stops if any answer differs. Passes alternate for
+``--rounds`` rounds; the ratios are medians of per-round paired ratios: pipeline / batched (target >= 0.9)
+and pipeline / per-question (target >= 5).
+
+    python bench/eval_throughput.py [--config configs/tiny_mcit_fwd_prompt.yaml] [--rounds 3] [key=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default=str(ROOT / "configs" / "tiny_mcit_fwd_prompt.yaml"))
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("overrides", nargs="*", help="key=value config overrides")
+    args = ap.parse_args()
+    import torch
+
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+    os.chdir(ROOT)
+
+    from mcit import distributed as dist
+    from mcit.config import load_config
+    from mcit.data.loader import eval_batches
+    from mcit.data.shards import open_split
+    from mcit.data.types import TaskSequence
+    import mcit.evaluation as evaluation
+    from mcit.models.base import load_backbone
+    from mcit.registry import METHODS
+
+    cfg = load_config(args.config, args.overrides)
+    if cfg.data.root == "data/shards/tiny_mcit":  # the embedded benchmark and backbone: built here if missing
+        from data_prep.pretrain_tiny_llava import pretrain
+        from data_prep.tiny_mcit import build
+
+        build(Path(cfg.data.root))
+        if cfg.backbone.path == "data/backbones/tiny_llava":
+            pretrain(Path(cfg.data.root), Path(cfg.backbone.path))
+    dist.init()
+    device = dist.device()
+    backbone = load_backbone(cfg.backbone.kind, cfg.backbone.path)
+    backbone.to(device)
+    names = [t if isinstance(t, str) else t.name for t in cfg.data.tasks]
+    tests = [open_split(str(Path(cfg.data.root) / n / "test")) for n in names]
+    seq = TaskSequence.from_label_spaces(names, [s.label_space for s in tests])
+    scorers = [s.manifest.get("scorer") or "exact_match" for s in tests]
+    collates = [backbone.make_collate(s, i, train=False, label_index=seq.label_to_index()) for i, s in enumerate(tests)]
+    torch.manual_seed(cfg.seed)
+    method = METHODS.get(cfg.method.name)(cfg.method.params(), backbone, seq).to(device)
+    B, T = cfg.eval.batch_size, cfg.eval.max_new_tokens
+    n = sum(s.num_samples for s in tests)
+
+    def collated(size: int) -> list:
+        return [b.to(device) for s, c in zip(tests, collates)
+                for b in eval_batches(s, rank=0, world=1, batch_size=size, policy=cfg.data.split, collate=c)]
+
+    batched, single = collated(B), collated(1)
+    model, tok = backbone.model, backbone.tokenizer
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def pipeline() -> tuple[float, dict[str, str]]:
+        with tempfile.TemporaryDirectory() as answers, method.zero_shot():
+            sync()
+            t0 = time.perf_counter()
+            evaluation.evaluate_generation(method, tests, batch_size=B, policy=cfg.data.split, collates=collates,
+                                           scorers=scorers, max_new_tokens=T, num_workers=cfg.data.num_workers,
+                                           answers_dir=Path(answers))
+            sync()
+            dt = time.perf_counter() - t0
+            rows = [json.loads(line) for f in sorted(Path(answers).glob("*.jsonl")) for line in open(f)]
+        return dt, {r["key"]: r["text"] for r in rows}
+
+    @torch.no_grad()
+    def bare(batches: list) -> tuple[float, dict[str, str]]:
+        out: dict[str, str] = {}
+        sync()
+        t0 = time.perf_counter()
+        for b in batches:
+            ids = b.inputs["input_ids"]
+            gen = model.generate(input_ids=ids, attention_mask=b.inputs["attention_mask"],
+                                 pixel_values=b.pixel_values.to(backbone.dtype), max_new_tokens=T, do_sample=False,
+                                 num_beams=1, pad_token_id=int(tok.pad_token_id), eos_token_id=int(tok.eos_token_id))
+            texts = tok.batch_decode(gen[:, ids.shape[1]:], skip_special_tokens=True)
+            out.update({k: t.strip() for k, t in zip(b.keys, texts)})
+        sync()
+        return time.perf_counter() - t0, out
+
+    pipeline()  # warm-up: first worker start, first generate
+    times: dict[str, list[float]] = {"pipeline": [], "bare batched": [], "bare per question": []}
+    answers: dict[str, dict[str, str]] = {}
+    for r in range(args.rounds):
+        for name, run in (("pipeline", pipeline), ("bare batched", lambda: bare(batched)),
+                          ("bare per question", lambda: bare(single))):
+            dt, got = run()
+            times[name].append(dt)
+            answers[name] = got
+        print(f"round {r + 1}: " + "   ".join(f"{k} {n / v[-1]:8.1f} questions/s" for k, v in times.items()),
+              flush=True)
+    ref = answers["pipeline"]
+    for name in ("bare batched", "bare per question"):
+        diff = [k for k in ref if answers[name].get(k) != ref[k]]
+        if len(answers[name]) != len(ref) or diff:
+            print(f"error: {name} answers differ from the pipeline's on {len(diff)} of {len(ref)} questions "
+                  f"(first: {diff[:1]})")
+            return 1
+    print(f"model: {cfg.backbone.kind} {cfg.backbone.tag} (LLM hidden {backbone.hidden_size}); {len(tests)} test "
+          f"splits, {n} questions; eval batch {B}, max_new_tokens {T}; num_workers {cfg.data.num_workers}; torch threads "
+          f"{torch.get_num_threads()}; device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}")
+    print(f"answers: identical on all {len(ref)} questions for the three paths "
+          f"({sum(1 for v in ref.values() if v)} non-empty)")
+    for name, v in times.items():
+        print(f"{name:18s}: {n / statistics.median(v):8.1f} questions/s (median)")
+    p, b, s = times["pipeline"], times["bare batched"], times["bare per question"]
+    print(f"ratio pipeline / bare batched      = {statistics.median(y / x for x, y in zip(p, b)):.3f}  "
+          f"(median of the per-round paired ratios; target >= 0.9)")
+    print(f"ratio pipeline / bare per question = {statistics.median(y / x for x, y in zip(p, s)):.2f}  "
+          f"(target >= 5)")
+    dist.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
