@@ -93,18 +93,17 @@ class _Failed:
     error: BaseException
 
 
-_SMALL = 1 << 20  # a packed batch up to this size travels as bytes through the result pipe
-
-
 @dataclass
 class _Packed:
     """A batch built in a worker with every tensor in one buffer. torch sends each tensor of a worker's result
     as its own shared-memory file descriptor, with a connection handshake each (about 0.6 ms per tensor here,
     measured with bench/train_stage_throughput.py): for a small batch that cost more than collating it in the
-    training process. One buffer is one handshake, and a small one (up to ``_SMALL``) none: plain bytes."""
+    training process. One buffer is one handshake. (Not bytes through the result pipe, which would be cheaper
+    still: a worker whose parent dies with the pipe full never exits, its queue's feeder thread blocked on the
+    write; results of a few bytes never fill it.)"""
 
     batch: Batch  # its tensors are empty placeholders
-    buffer: torch.Tensor | bytes
+    buffer: torch.Tensor
     layout: list[tuple[str, torch.dtype, tuple[int, ...], int, int]]  # (field, dtype, shape, offset, bytes)
 
     @staticmethod
@@ -121,18 +120,13 @@ class _Packed:
             offset += flat.numel()
         buffer = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)
         empty = _replace_fields(batch, {name: torch.empty(0) for name, *_ in layout})
-        return _Packed(empty, buffer.numpy().tobytes() if offset <= _SMALL else buffer, layout)
+        return _Packed(empty, buffer, layout)
 
     def pin_memory(self) -> "_Packed":  # torch's pin-memory thread calls this: one page-locked copy
-        return _Packed(self.batch, self._tensor().pin_memory(), self.layout)
-
-    def _tensor(self) -> torch.Tensor:
-        if isinstance(self.buffer, bytes):
-            return torch.frombuffer(bytearray(self.buffer), dtype=torch.uint8)
-        return self.buffer
+        return _Packed(self.batch, self.buffer.pin_memory(), self.layout)
 
     def unpack(self) -> Batch:
-        buf = self._tensor()
+        buf = self.buffer
         return _replace_fields(self.batch, {name: buf[off:off + n].view(dtype).reshape(shape)
                                             for name, dtype, shape, off, n in self.layout})
 

@@ -164,6 +164,23 @@ def test_dead_or_stuck_rank_ends_the_run_within_the_timeout_naming_the_stage(ass
     assert procs[0].returncode == 1, err0[-2000:]
     assert "stage 1/train: a collective did not complete on rank 0" in err0
     assert waited < timeout_s + 30  # ended by the failure or the timeout, not a hang
+    # the killed rank's loader workers see their parent gone and exit (torch's watchdog: every 5 s)
+    deadline = time.time() + 30
+    while (left := _processes_naming(cfg)) and time.time() < deadline:
+        time.sleep(0.5)
+    assert not left, f"processes of the run still alive: {left}"
+
+
+def _processes_naming(path: Path) -> list[int]:
+    """Pids whose command line names ``path`` (a run's ranks and their forked loader workers)."""
+    out = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and str(path).encode() in (proc / "cmdline").read_bytes():
+                out.append(int(proc.name))
+        except OSError:
+            continue
+    return out
 
 
 def test_export_loads_without_deepspeed(reference_run, assets):

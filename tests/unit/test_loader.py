@@ -102,3 +102,32 @@ def test_a_sample_that_cannot_be_decoded_in_a_worker_is_one_line_naming_it(tmp_p
                           num_workers=2))
     msg = str(e.value)
     assert "\n" not in msg and "sample p0006" in msg and "cannot decode" in msg
+
+
+def test_one_stream_over_several_splits_or_epochs_equals_one_stream_each(split, tmp_path):
+    """eval_parts streams a row's test splits through one set of workers, tagging each batch with its split;
+    train_epochs streams a task's epochs. Both give, with 2 workers, exactly the batches of one in-process
+    stream per split / epoch, large (3 x 128 x 128 floats) and small."""
+    from mcit.data.loader import Epoch, eval_parts, train_epochs
+
+    write_split(tmp_path / "other", _patterned(9), shard_size=4, label_space=[0, 1, 2])
+    other = open_split(tmp_path / "other")
+    big = classification_collate(
+        lambda ims: torch.from_numpy(np.stack([np.asarray(im.convert("RGB").resize((128, 128)), dtype=np.float32)
+                                               for im in ims])).permute(0, 3, 1, 2).contiguous(),
+        {0: 0, 1: 1, 2: 2}, 0, split)
+    small = _collate(other, "l2p", train=False)
+    got = list(eval_parts([split, other], [big, small], rank=0, world=1, batch_size=20, policy="sample",
+                          num_workers=2))
+    assert [i for i, _ in got] == [0, 0, 0, 1]
+    want = [list(eval_batches(split, rank=0, world=1, batch_size=20, policy="sample", collate=big)),
+            list(eval_batches(other, rank=0, world=1, batch_size=20, policy="sample", collate=small))]
+    assert _same([b for i, b in got if i == 0], want[0]) and _same([b for i, b in got if i == 1], want[1])
+    steps = micro_steps_per_epoch(split, 2, 4, 1, "sample")
+    epochs = [Epoch(2, 3, 11), Epoch(0, 4, 12)]  # a resumed first epoch, then a whole one
+    stream = list(train_epochs(split, epochs, rank=1, world=2, batch_size=4, num_steps=steps, policy="sample",
+                               shuffle_buffer=5, collate=_collate(split), num_workers=2))
+    each = [b for e in epochs for b in train_batches(split, rank=1, world=2, batch_size=4, num_steps=steps,
+                                                     skip_steps=e.skip_steps, seed=e.seed, policy="sample",
+                                                     shuffle_buffer=5, collate=_collate(split), aug_seed=e.aug_seed)]
+    assert len(stream) == 2 * steps - 2 and _same(stream, each)
