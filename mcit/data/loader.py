@@ -9,6 +9,7 @@ loss so the gradient is the mean over exactly the real samples.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator
@@ -171,16 +172,25 @@ def _first(work: _Work) -> _Work:
 
 
 def _run(works: Iterator[_Work], collates: list[Collate], num_workers: int, pin_memory: bool) -> Iterator[Batch]:
-    """The batches of ``works`` in order, built in ``num_workers`` worker processes or (0) here."""
+    """The batches of ``works`` in order. With workers, the first one is built here while the workers start
+    and take the next ones, so a stream starts as soon as in-process collation would (the worker start-up
+    and the first batch's trip through them cost a short evaluation more than its collation)."""
     data = _Collating(collates)
+
+    def here(items: Iterator[_Work]) -> Iterator:
+        for w in items:
+            out = data[w]
+            yield out.pin_memory() if pin_memory and not isinstance(out, _Failed) and out is not None else out
+
+    works = iter(works)
     if num_workers == 0:
-        stream: Iterator = (data[w] for w in works)
-        if pin_memory:
-            stream = (out if isinstance(out, _Failed) or out is None else out.pin_memory() for out in stream)
+        stream: Iterator = here(works)
     else:
-        stream = iter(torch.utils.data.DataLoader(
+        first = next(works, None)
+        rest = iter(torch.utils.data.DataLoader(
             data, batch_size=None, sampler=works, num_workers=num_workers, collate_fn=_first,  # type: ignore[arg-type]
-            pin_memory=pin_memory, prefetch_factor=4))
+            pin_memory=pin_memory, prefetch_factor=4))  # the workers start now, on the items after the first
+        stream = itertools.chain(here(iter([first] if first is not None else [])), rest)
     for out in stream:
         if isinstance(out, _Failed):
             raise out.error
