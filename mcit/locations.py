@@ -60,11 +60,9 @@ def check(location: str) -> None:
     s = scheme(location)
     if s == "":
         return
-    import sys
+    from webdataset.gopen import gopen_schemes
 
-    import webdataset  # noqa: F401 - gopen's table of schemes
-
-    known = sorted(k for k in sys.modules["webdataset.gopen"].gopen_schemes if not k.startswith("_"))
+    known = sorted(k for k in gopen_schemes if not k.startswith("_"))
     if s not in known:
         raise LocationError(f"{location}: unknown location scheme {s!r} (known: file, {', '.join(known)}; "
                             f"or a local path)")
