@@ -27,6 +27,16 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
+def save_random_vit_b16(path: str) -> None:
+    """A randomly initialised ViT-B/16 (224 px, 12 x 768), the size the CIL papers use, saved where
+    ``backbone.path`` can point: throughput at real size needs no pre-trained weights."""
+    import torch
+    from transformers import ViTConfig, ViTModel
+
+    torch.manual_seed(0)
+    ViTModel(ViTConfig(image_size=224, patch_size=16), add_pooling_layer=False).save_pretrained(path)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=str(ROOT / "configs" / "digits_l2p.yaml"))
@@ -60,11 +70,8 @@ def main() -> int:
     if args.vit_b16:
         import tempfile
 
-        from transformers import ViTConfig, ViTModel
-
         tmp = tempfile.TemporaryDirectory()
-        torch.manual_seed(0)
-        ViTModel(ViTConfig(image_size=224, patch_size=16), add_pooling_layer=False).save_pretrained(tmp.name)
+        save_random_vit_b16(tmp.name)
         overrides.append(f"backbone.path={tmp.name}")
     cfg = load_config(args.config, overrides)
     build(Path(cfg.data.root))

@@ -56,12 +56,12 @@ def main() -> int:
     from mcit.registry import METHODS
 
     cfg = load_config(args.config, args.overrides)
-    if cfg.data.root == "data/shards/tiny_mcit":  # the embedded benchmark and backbone: built here if missing
+    if ROOT / cfg.data.root == ROOT / "data/shards/tiny_mcit":  # the embedded benchmark and backbone: built here if missing
         from data_prep.pretrain_tiny_llava import pretrain
         from data_prep.tiny_mcit import build
 
         build(Path(cfg.data.root))
-        if cfg.backbone.path == "data/backbones/tiny_llava":
+        if ROOT / cfg.backbone.path == ROOT / "data/backbones/tiny_llava":
             pretrain(Path(cfg.data.root), Path(cfg.backbone.path))
     dist.init()
     device = dist.device()

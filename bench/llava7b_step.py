@@ -34,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--text-tokens", type=int, default=64)
     ap.add_argument("--local_rank", type=int, default=0)
     ap.add_argument("--quantization", default="none", choices=["none", "4bit", "8bit"])
+    ap.add_argument("--generate", type=int, default=0, metavar="N",
+                    help="also time greedy generation of N new tokens for the batch: the method's generate (prompt "
+                         "selection, prompts inserted, KV-cached decoding) against transformers' generate")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16 peak, for MFU")
     ap.add_argument("--save-dir", default="/tmp/mcit_llava7b_random", help="where --quantization keeps the bf16 copy")
     args = ap.parse_args(argv)
@@ -118,7 +121,56 @@ def main(argv: list[str] | None = None) -> int:
     print(f"MFU {100 * model_flops / step_s / (args.peak_tflops * 1e12):.1f}% (6NT model FLOPs, "
           f"{model_flops / step_s / 1e12:.0f} TFLOP/s); needed-FLOPs utilisation "
           f"{100 * needed_flops / step_s / (args.peak_tflops * 1e12):.1f}% (4NT, frozen LLM) of {args.peak_tflops:.0f} TFLOP/s")
+    if args.generate:
+        time_generation(method, model, batch, args.generate, cfg.text_config.vocab_size)
     return 0
+
+
+def time_generation(method, model, batch, new_tokens: int, vocab: int, rounds: int = 3) -> None:
+    """Greedy decoding of ``new_tokens`` for the batch through the method (what the eval stage calls) and
+    through transformers' ``generate`` on the same ids and pixels, alternating, median of ``rounds``. Random
+    weights have no tokenizer: a word-level one over the vocabulary's ids decodes (eos = id 2, as LLaVA's)."""
+    import statistics
+
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    words.pre_tokenizer = WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=words, pad_token="w0", eos_token="w2")
+    method.backbone.tokenizer = tok
+    method.eval()
+    ids, mask = batch.inputs["input_ids"], batch.inputs["attention_mask"]
+    pixels = batch.pixel_values.to(torch.bfloat16)
+
+    def ours() -> int:
+        return sum(len(tok.encode(a)) for a in method.generate(batch, new_tokens))
+
+    @torch.no_grad()
+    def hf() -> int:
+        out = model.generate(input_ids=ids, pixel_values=pixels, attention_mask=mask, max_new_tokens=new_tokens,
+                             do_sample=False, num_beams=1, pad_token_id=0, eos_token_id=2)
+        return int((out[:, ids.shape[1]:] != 0).sum())
+
+    times: dict[str, list[float]] = {"method generate": [], "transformers generate": []}
+    made: dict[str, int] = {}
+    for r in range(rounds + 1):  # the first round warms up
+        for name, fn in (("method generate", ours), ("transformers generate", hf)):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            made[name] = fn()
+            torch.cuda.synchronize()
+            if r:
+                times[name].append(time.perf_counter() - t0)
+    B = ids.shape[0]
+    for name, v in times.items():
+        dt = statistics.median(v)
+        print(f"{name}: batch {B}, {ids.shape[1]} prompt tokens, up to {new_tokens} new: {dt * 1000:.0f} ms, "
+              f"{made[name] / dt:,.0f} new tokens/s ({made[name]} made)")
+    print(f"ratio method / transformers generate (time) = "
+          f"{statistics.median(a / b for a, b in zip(times['method generate'], times['transformers generate'])):.3f}")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ workers).
 
     python bench/train_stage_throughput.py [--config configs/digits_l2p.yaml] [--workers 0 2] [--epochs 5]
         [--rounds 3] [--transform l2p]
+    python bench/train_stage_throughput.py --vit-b16 --workers 0 4 --epochs 20 train.batch_size=64   # GPU size
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -43,6 +45,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--transform", default=None, help="data.train_transform (default: the config's)")
     ap.add_argument("--checkpoint-every", type=int, default=None, help="step checkpoints in the stage (default off)")
+    ap.add_argument("--vit-b16", action="store_true",
+                    help="a randomly initialised ViT-B/16 (224 px) instead of the tiny pre-trained ViT: the images "
+                         "are decoded and resized to 224 px by the loader, as a real-size run does")
     ap.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = ap.parse_args()
     import torch
@@ -66,10 +71,17 @@ def main() -> int:
                  f"train.checkpoint_every={args.checkpoint_every or 10**9}", *args.overrides]
     if args.transform:
         overrides.append(f"data.train_transform={args.transform}")
+    vit_dir = None
+    if args.vit_b16:
+        from bench.engine_throughput import save_random_vit_b16
+
+        vit_dir = tempfile.TemporaryDirectory()
+        save_random_vit_b16(vit_dir.name)
+        overrides.append(f"backbone.path={vit_dir.name}")
     cfg = load_config(args.config, overrides)
-    if cfg.data.root == "data/shards/digits":  # the embedded benchmark and backbone: built here if missing
+    if ROOT / cfg.data.root == ROOT / "data/shards/digits":  # the embedded benchmark and backbone: built here if missing
         build(Path(cfg.data.root))
-    if cfg.backbone.path == "data/backbones/tiny_vit_procedural":
+    if ROOT / cfg.backbone.path == ROOT / "data/backbones/tiny_vit_procedural":
         pretrain(Path(cfg.backbone.path))
     dist.init()
     device = dist.device()
@@ -107,6 +119,24 @@ def main() -> int:
         sync()
         marks.append(time.perf_counter())
 
+    # GPU utilisation (NVML, via torch.cuda.utilization) sampled every 50 ms by a thread; each pass reports the
+    # mean over its timed window only (first to last optimizer step)
+    samples: list[tuple[float, int]] = []
+    util: dict[str, list[float]] = {}
+    stop_sampling = threading.Event()
+
+    def _sample() -> None:
+        while not stop_sampling.wait(0.05):
+            samples.append((time.perf_counter(), torch.cuda.utilization()))
+
+    if device.type == "cuda":
+        threading.Thread(target=_sample, daemon=True).start()
+
+    def busy(kind: str, t0: float, t1: float) -> None:
+        got = [u for t, u in samples if t0 <= t <= t1]
+        if got:
+            util.setdefault(kind, []).append(sum(got) / len(got))
+
     def stage(workers: int) -> float:
         marks.clear()
         c = cfg.model_copy(deep=True)
@@ -114,6 +144,7 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as step_dir:
             TaskTrainer(c).train(fresh(), task, split, collate, Path(step_dir))
         assert len(marks) == len(batches), (len(marks), len(batches))
+        busy(f"stage, {workers} workers", marks[0], marks[-1])
         return (len(marks) - 1) / (marks[-1] - marks[0])
 
     def bare() -> float:
@@ -133,6 +164,7 @@ def main() -> int:
             opt.step()
             sync()
             times.append(time.perf_counter())
+        busy("bare loop", times[0], times[-1])
         return (len(times) - 1) / (times[-1] - times[0])
 
     rates: dict[str, list[float]] = {f"stage, {w} workers": [] for w in args.workers}
@@ -155,7 +187,12 @@ def main() -> int:
         paired = statistics.median(s / b for s, b in zip(got, bare_rates))
         print(f"train stage, num_workers={w}: {statistics.median(got) * B:8.1f} samples/s (median); "
               f"ratio stage / bare = {paired:.3f}  (median of the per-round paired ratios; target >= 0.9 with workers)")
+    stop_sampling.set()
+    for kind, u in util.items():
+        print(f"GPU utilisation, {kind}: {statistics.median(u):.0f}% (median over rounds of the mean of 50 ms NVML samples)")
     dist.shutdown()
+    if vit_dir is not None:
+        vit_dir.cleanup()
     return 0
 
 

@@ -89,9 +89,13 @@ def init(timeout_s: float = 1800.0) -> None:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    bound = {}
     if backend == "nccl":
         torch.cuda.set_device(local_rank())
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        # the group bound to the rank's GPU: NCCL otherwise guesses the device from the global rank (a hang
+        # where the rank-to-GPU mapping is not the identity) and says so on stderr at the first barrier
+        bound = {"device_id": torch.device("cuda", local_rank())}
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **bound)
     # DeepSpeed reuses the existing group instead of creating its own.
     import deepspeed
 

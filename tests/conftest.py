@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -186,23 +187,33 @@ def run_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def launch(args: list[str], launcher: str = "python", nproc: int = 1, timeout: int = 600, entry: Path = ENTRY,
-           **env: str) -> subprocess.CompletedProcess:
-    """Run an entry point (default the task-sequence pipeline) under ``python``, ``deepspeed`` or ``torchrun``.
-    Under MCIT_TEST_ACCELERATOR=cuda a run of more ranks than GPUs is skipped (NCCL wants a GPU per rank)."""
-    if os.environ.get("MCIT_TEST_ACCELERATOR", "cpu") == "cuda" and launcher != "python":
+def need_devices(nproc: int) -> None:
+    """Under MCIT_TEST_ACCELERATOR=cuda a run of more ranks than GPUs is skipped (NCCL wants a GPU per rank)."""
+    if os.environ.get("MCIT_TEST_ACCELERATOR", "cpu") == "cuda":
         import torch
 
         if nproc > torch.cuda.device_count():
             pytest.skip(f"{nproc} ranks need {nproc} GPUs; this machine has {torch.cuda.device_count()}")
+
+
+def launcher_cmd(name: str, nproc: int) -> str:
+    """The ``deepspeed`` / ``torchrun`` script beside this Python, else the one on PATH (a GPU image that takes
+    the project's packages from a --target directory keeps them there), once ``nproc`` ranks can run here."""
+    need_devices(nproc)
+    here = Path(sys.executable).parent / name
+    return str(here) if here.exists() else (shutil.which(name) or str(here))
+
+
+def launch(args: list[str], launcher: str = "python", nproc: int = 1, timeout: int = 600, entry: Path = ENTRY,
+           **env: str) -> subprocess.CompletedProcess:
+    """Run an entry point (default the task-sequence pipeline) under ``python``, ``deepspeed`` or ``torchrun``."""
     if launcher == "python":
         cmd = [sys.executable, str(entry)]
     elif launcher == "deepspeed":
-        cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(nproc),
-               "--master_port", str(free_port()), str(entry)]
+        cmd = [launcher_cmd("deepspeed", nproc), "--num_gpus", str(nproc), "--master_port", str(free_port()), str(entry)]
     elif launcher == "torchrun":
-        cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", str(nproc),
-               "--master_port", str(free_port()), str(entry)]
+        cmd = [launcher_cmd("torchrun", nproc), "--nproc_per_node", str(nproc), "--master_port", str(free_port()),
+               str(entry)]
     else:
         raise ValueError(launcher)
     return subprocess.run(cmd + args, cwd=ROOT, env=run_env(**env), capture_output=True, text=True,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EVALUATE, FAULTY, ROOT, free_port, launch, mcit_config, run_env
+from conftest import EVALUATE, FAULTY, ROOT, free_port, launch, launcher_cmd, mcit_config, run_env
 from mcit import scorers as S
 
 
@@ -78,7 +78,7 @@ def test_lora_rebuilt_between_tasks_trains_from_its_loaded_state(mcit_assets, tm
     bookkeeping an earlier engine left on shared parameter objects (which corrupted the gathered fp32
     state when the adapters were reused across builds)."""
     out = tmp_path / "lora.json"
-    cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
+    cmd = [launcher_cmd("torchrun", 2), "--nproc_per_node", "2", "--master_port", str(free_port()),
            str(ROOT / "tests" / "launch" / "workers" / "lora_rebuild.py"), str(mcit_assets["backbone"]), str(mcit_assets["shards"]),
            str(out)]
     r = subprocess.run(cmd, cwd=ROOT, env=run_env(), capture_output=True, text=True, timeout=600)

@@ -140,8 +140,9 @@ def test_dead_or_stuck_rank_ends_the_run_within_the_timeout_naming_the_stage(ass
     import sys
     import time
 
-    from conftest import ROOT, free_port, run_env
+    from conftest import ROOT, free_port, need_devices, run_env
 
+    need_devices(2)
     timeout_s = 20
     cfg = tiny_config(assets, work, f"deadrank_{how}", train={"collective_timeout_s": timeout_s})
     port = str(free_port())
@@ -447,9 +448,9 @@ def _start(cfg, **env):
     import subprocess
     import sys
 
-    from conftest import ROOT, free_port, run_env
+    from conftest import ROOT, free_port, launcher_cmd, run_env
 
-    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+    cmd = [launcher_cmd("deepspeed", 2), "--num_gpus", "2", "--master_port", str(free_port()),
            str(FAULTY), "--config", str(cfg)]
     return subprocess.Popen(cmd, cwd=ROOT, env=run_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)

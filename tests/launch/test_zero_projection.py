@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, free_port, mcit_config, run_env, tiny_config
+from conftest import ROOT, free_port, launcher_cmd, mcit_config, run_env, tiny_config
 
 ZERO = {
     "zero2": {"zero_optimization": {"stage": 2, "overlap_comm": False, "contiguous_gradients": True}},
@@ -54,7 +54,7 @@ def runs(assets, clip_backbone, mcit_assets, tmp_path_factory) -> dict[str, dict
     out: dict[str, dict] = {}
     for zero in ZERO:
         report = tmp / f"{zero}_report.json"
-        cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+        cmd = [launcher_cmd("deepspeed", 2), "--num_gpus", "2", "--master_port", str(free_port()),
                str(ROOT / "tests" / "launch" / "workers" / "zero_equivalence.py"), str(report),
                *map(str, _configs(assets, clip_backbone, mcit_assets, tmp, zero))]
         r = subprocess.run(cmd, cwd=ROOT, env=run_env(), capture_output=True, text=True, timeout=900)
