@@ -93,6 +93,10 @@ class DataConfig(_Strict):
     num_workers: int = Field(
         2, ge=0, description="loader worker processes per rank that decode, augment and collate (0: in the training "
                              "process); the batches are the same for any number")
+    worker_timeout_s: float = Field(
+        600.0, gt=0, description="a loader worker that delivers no batch for this long stops the run with an error "
+                                 "naming the split (a worker stuck on storage, or deadlocked at its start) instead "
+                                 "of a silent hang; raise it for remote shards that take longer to fetch")
     train_transform: str = Field(
         "none", description="augmentation preset for training images (mcit.data.transforms.PRESETS: none, l2p, coda, "
                             "coda_domainnet, vpt_nsp2_cifar, vpt_nsp2_imagenet, vpt_nsp2_clip_cifar, "

@@ -392,7 +392,7 @@ class TaskTrainer:
                         data_seed(cfg.seed + 13, task, epoch, 0)) for epoch in range(epoch0, t.epochs)]
         stream = train_epochs(split, epochs, rank=rank, world=world, batch_size=B, num_steps=steps_epoch, policy=policy,
                               shuffle_buffer=cfg.data.shuffle_buffer, collate=collate, num_workers=cfg.data.num_workers,
-                              pin_memory=device.type == "cuda")
+                              pin_memory=device.type == "cuda", worker_timeout_s=cfg.data.worker_timeout_s)
         with contextlib.closing(stream) as batches:  # the loader workers stop here, whatever ends the loop
             for epoch, e in zip(range(epoch0, t.epochs), epochs):
                 # the range first: zip stops at the epoch's end without taking the next epoch's first batch

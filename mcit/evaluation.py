@@ -34,7 +34,7 @@ def evaluate_row(host: "MethodHost", *, trained: int, answers_dir: Path, tasks: 
     if plan.scorers is not None:
         scorers = [plan.scorers[i] for i in tasks]
         res = evaluate_generation(method, tests, batch_size=cfg.eval.batch_size, policy=cfg.data.split,
-                                  collates=collates, num_workers=cfg.data.num_workers, scorers=scorers, max_new_tokens=cfg.eval.max_new_tokens,
+                                  collates=collates, num_workers=cfg.data.num_workers, worker_timeout_s=cfg.data.worker_timeout_s, scorers=scorers, max_new_tokens=cfg.eval.max_new_tokens,
                                   answers_dir=answers_dir, progress=cfg.train.progress, desc=desc, file_ids=tasks,
                                   model_id=cfg.backbone.tag if cfg.backbone.tag != "local"
                                   else Path(cfg.backbone.path).name)
@@ -46,7 +46,7 @@ def evaluate_row(host: "MethodHost", *, trained: int, answers_dir: Path, tasks: 
         for task in plan.sequence.tasks[:trained]:
             allowed[list(task.classes)] = True
     res = evaluate_tasks(method, tests, batch_size=cfg.eval.batch_size, policy=cfg.data.split, collates=collates,
-                         num_workers=cfg.data.num_workers, allowed_classes=allowed, progress=cfg.train.progress, desc=desc)
+                         num_workers=cfg.data.num_workers, worker_timeout_s=cfg.data.worker_timeout_s, allowed_classes=allowed, progress=cfg.train.progress, desc=desc)
     return {"correct": [c for c, _ in res], "total": [n for _, n in res],
             "acc": [100.0 * c / max(n, 1) for c, n in res]}
 
@@ -61,12 +61,12 @@ def first_task_loss(host: "MethodHost") -> float | None:
     split = host.plan.test[0]
     return evaluate_loss(host.method, split, task=0, batch_size=cfg.eval.batch_size, policy=cfg.data.split,
                          collate=host.collate(0, train=True, split=split, augment=False),
-                         num_workers=cfg.data.num_workers)
+                         num_workers=cfg.data.num_workers, worker_timeout_s=cfg.data.worker_timeout_s)
 
 
 @torch.no_grad()
 def evaluate_tasks(method: Method, splits: list[Split], *, batch_size: int, policy: str, collates: list[Callable],
-                   num_workers: int = 0, allowed_classes: torch.Tensor | None = None,
+                   num_workers: int = 0, worker_timeout_s: float = 600.0, allowed_classes: torch.Tensor | None = None,
                    progress: bool = False, desc: str = "eval") -> list[tuple[int, int]]:
     """(correct, total) per split, summed over ranks. ``allowed_classes``: bool mask over classes."""
     method.eval()
@@ -79,7 +79,8 @@ def evaluate_tasks(method: Method, splits: list[Split], *, batch_size: int, poli
         bar = tqdm(total=sum(s.num_samples for s in splits), desc=desc, unit="sample", leave=False,
                    dynamic_ncols=True, mininterval=0.5 if sys.stderr.isatty() else 10.0)
     for i, batch in eval_parts(splits, collates, rank=dist.rank(), world=dist.world_size(), batch_size=batch_size,
-                               policy=policy, num_workers=num_workers, pin_memory=device.type == "cuda"):
+                               policy=policy, num_workers=num_workers, pin_memory=device.type == "cuda",
+                               worker_timeout_s=worker_timeout_s):
         batch.allowed_classes = allowed_classes
         batch = batch.to(device, non_blocking=True)
         pred = method.predict(batch)
@@ -107,7 +108,7 @@ def answer_row(ref: dict[str, Any], pred: str, score: float, model_id: str) -> d
 
 @torch.no_grad()
 def evaluate_generation(method: Method, splits: list[Split], *, batch_size: int, policy: str,
-                        collates: list[Callable], scorers: list[str], max_new_tokens: int, num_workers: int = 0,
+                        collates: list[Callable], scorers: list[str], max_new_tokens: int, num_workers: int = 0, worker_timeout_s: float = 600.0,
                         answers_dir: Any | None = None, progress: bool = False,
                         desc: str = "eval", file_ids: list[int] | None = None,
                         model_id: str = "mcit") -> list[tuple[float, int]]:
@@ -136,7 +137,8 @@ def evaluate_generation(method: Method, splits: list[Split], *, batch_size: int,
     score_fns = [None if corpus else S.get(name) for corpus, name in zip(corpora, scorers)]
     answered: list[list[dict]] = [[] for _ in splits]
     for i, batch in eval_parts(splits, collates, rank=dist.rank(), world=dist.world_size(), batch_size=batch_size,
-                               policy=policy, num_workers=num_workers, pin_memory=device.type == "cuda"):
+                               policy=policy, num_workers=num_workers, pin_memory=device.type == "cuda",
+                               worker_timeout_s=worker_timeout_s):
         preds = method.generate(batch.to(device, non_blocking=True), max_new_tokens)
         score = score_fns[i]
         for pred, ref in zip(preds, batch.meta):
@@ -166,14 +168,15 @@ def evaluate_generation(method: Method, splits: list[Split], *, batch_size: int,
 
 @torch.no_grad()
 def evaluate_loss(method: Method, split: Split, *, task: int, batch_size: int, policy: str,
-                  collate: Callable, num_workers: int = 0) -> float:
+                  collate: Callable, num_workers: int = 0, worker_timeout_s: float = 600.0) -> float:
     """Mean per-sample ``method.task_loss`` over ``split`` (its samples labelled as task ``task``),
     averaged over every rank's samples: one all_reduce, every rank gets the same value."""
     method.eval()
     device = dist.device()
     total = torch.zeros(2, dtype=torch.float64)
     for batch in eval_batches(split, rank=dist.rank(), world=dist.world_size(), batch_size=batch_size,
-                              policy=policy, collate=collate, num_workers=num_workers, pin_memory=device.type == "cuda"):
+                              policy=policy, collate=collate, num_workers=num_workers, pin_memory=device.type == "cuda",
+                              worker_timeout_s=worker_timeout_s):
         batch.task = task
         batch = batch.to(device, non_blocking=True)
         per_sample = method.task_loss(batch).detach().double().cpu()

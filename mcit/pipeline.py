@@ -94,7 +94,7 @@ class Pipeline:
         cfg = self.cfg
         batches = eval_batches(split, rank=dist.rank(), world=dist.world_size(), batch_size=cfg.eval.batch_size,
                                policy=cfg.data.split, collate=collate, num_workers=cfg.data.num_workers,
-                               pin_memory=dist.device().type == "cuda")
+                               pin_memory=dist.device().type == "cuda", worker_timeout_s=cfg.data.worker_timeout_s)
         report = stream_statistics(self.host.method, batches, task)
         if report is not None and dist.is_main():
             self.logger.log({"event": "subspace", "task": task, **report, "time": time.time()})

@@ -171,7 +171,25 @@ def _first(work: _Work) -> _Work:
     return work
 
 
-def _run(works: Iterator[_Work], collates: list[Collate], num_workers: int, pin_memory: bool) -> Iterator[Batch]:
+def _waited(batches: Iterator, timeout_s: float, what: str) -> Iterator:
+    """The loader's batches, its timeout as a one-line DataError: a worker that hangs (stuck on storage, or
+    deadlocked in ``fork`` by a lock another thread of the training process held at that moment) would
+    otherwise stall the rank, and the run, with nothing said. The DataLoader stops its workers on the way out."""
+    while True:
+        try:
+            out = next(batches)
+        except StopIteration:
+            return
+        except RuntimeError as e:
+            if "timed out" not in str(e):
+                raise
+            raise DataError(f"the loader workers for {what} delivered no batch in {timeout_s:g} s "
+                            f"(data.worker_timeout_s): a worker is stuck; the run resumes from its last commit") from None
+        yield out
+
+
+def _run(works: Iterator[_Work], collates: list[Collate], num_workers: int, pin_memory: bool,
+         timeout_s: float = 600.0, what: str = "") -> Iterator[Batch]:
     """The batches of ``works`` in order. With workers, the first one is built here while the workers start
     and take the next ones, so a stream starts as soon as in-process collation would (the worker start-up
     and the first batch's trip through them cost a short evaluation more than its collation)."""
@@ -183,18 +201,26 @@ def _run(works: Iterator[_Work], collates: list[Collate], num_workers: int, pin_
             yield out.pin_memory() if pin_memory and not isinstance(out, _Failed) and out is not None else out
 
     works = iter(works)
+    rest = None
     if num_workers == 0:
         stream: Iterator = here(works)
     else:
         first = next(works, None)
         rest = iter(torch.utils.data.DataLoader(
             data, batch_size=None, sampler=works, num_workers=num_workers, collate_fn=_first,  # type: ignore[arg-type]
-            pin_memory=pin_memory, prefetch_factor=4))  # the workers start now, on the items after the first
-        stream = itertools.chain(here(iter([first] if first is not None else [])), rest)
-    for out in stream:
-        if isinstance(out, _Failed):
-            raise out.error
-        yield out.unpack() if isinstance(out, _Packed) else out
+            pin_memory=pin_memory, prefetch_factor=4, timeout=timeout_s))  # the workers start now, on the items after the first
+        stream = itertools.chain(here(iter([first] if first is not None else [])), _waited(rest, timeout_s, what))
+    try:
+        for out in stream:
+            if isinstance(out, _Failed):
+                raise out.error
+            yield out.unpack() if isinstance(out, _Packed) else out
+    finally:
+        # the workers stop here, however the stream ends: a traceback that keeps the loader alive (an error
+        # shown at the top of a run) would otherwise keep a stuck worker alive with it
+        stop = getattr(rest, "_shutdown_workers", None)
+        if stop is not None:
+            stop()
 
 
 @dataclass(frozen=True)
@@ -211,6 +237,7 @@ class Epoch:
 def train_epochs(
     split: Split, epochs: list[Epoch], *, rank: int, world: int, batch_size: int, num_steps: int, policy: str,
     shuffle_buffer: int, collate: Collate, num_workers: int = 0, pin_memory: bool = False,
+    worker_timeout_s: float = 600.0,
 ) -> Iterator[Batch]:
     """For each of ``epochs`` in turn, exactly ``num_steps - skip_steps`` batches of size ``batch_size`` for this
     rank, as one stream: the loader workers start once per stream (not per epoch) and keep preparing across an
@@ -228,18 +255,18 @@ def train_epochs(
                     fallback = next(iter_samples(split, 0, 1, policy="sample"))
                 yield _Work(chunk, e.aug_seed, batch_size, fallback if not chunk else None)
 
-    return _run(works(), [collate], num_workers, pin_memory)
+    return _run(works(), [collate], num_workers, pin_memory, worker_timeout_s, split.location)
 
 
 def train_batches(
     split: Split, *, rank: int, world: int, batch_size: int, num_steps: int, skip_steps: int, seed: int,
     policy: str, shuffle_buffer: int, collate: Collate, aug_seed: int | None = None, num_workers: int = 0,
-    pin_memory: bool = False,
+    pin_memory: bool = False, worker_timeout_s: float = 600.0,
 ) -> Iterator[Batch]:
     """One epoch of ``train_epochs``."""
     return train_epochs(split, [Epoch(skip_steps, seed, aug_seed)], rank=rank, world=world, batch_size=batch_size,
                         num_steps=num_steps, policy=policy, shuffle_buffer=shuffle_buffer, collate=collate,
-                        num_workers=num_workers, pin_memory=pin_memory)
+                        num_workers=num_workers, pin_memory=pin_memory, worker_timeout_s=worker_timeout_s)
 
 
 def _pad(batch: Batch | None, template: Batch, size: int) -> Batch:
@@ -256,7 +283,8 @@ def _pad(batch: Batch | None, template: Batch, size: int) -> Batch:
 
 
 def eval_parts(splits: list[Split], collates: list[Collate], *, rank: int, world: int, batch_size: int,
-               policy: str, num_workers: int = 0, pin_memory: bool = False) -> Iterator[tuple[int, Batch]]:
+               policy: str, num_workers: int = 0, pin_memory: bool = False,
+               worker_timeout_s: float = 600.0) -> Iterator[tuple[int, Batch]]:
     """(split index, batch) over this rank's part of each split in turn, in manifest order, unpadded (evaluation
     runs no collectives). One stream: the loader workers start once for all the splits and prepare the next
     split's first batches while the current one is evaluated (an evaluation row is many small test splits)."""
@@ -275,13 +303,15 @@ def eval_parts(splits: list[Split], collates: list[Collate], *, rank: int, world
                 parts.append(i)
                 yield _Work(chunk, None, 0, None, i)
 
-    for n, batch in enumerate(_run(works(), collates, num_workers, pin_memory)):
+    what = splits[0].location if len(splits) == 1 else f"{len(splits)} splits from {splits[0].location}"
+    for n, batch in enumerate(_run(works(), collates, num_workers, pin_memory, worker_timeout_s, what)):
         yield parts[n], batch
 
 
 def eval_batches(split: Split, *, rank: int, world: int, batch_size: int, policy: str,
-                 collate: Collate, num_workers: int = 0, pin_memory: bool = False) -> Iterator[Batch]:
+                 collate: Collate, num_workers: int = 0, pin_memory: bool = False,
+                 worker_timeout_s: float = 600.0) -> Iterator[Batch]:
     """This rank's part of one split: ``eval_parts`` of one."""
     for _, batch in eval_parts([split], [collate], rank=rank, world=world, batch_size=batch_size, policy=policy,
-                               num_workers=num_workers, pin_memory=pin_memory):
+                               num_workers=num_workers, pin_memory=pin_memory, worker_timeout_s=worker_timeout_s):
         yield batch

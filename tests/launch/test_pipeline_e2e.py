@@ -23,8 +23,8 @@ def work(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference_run(assets, work):
-    """An uninterrupted 2-process DeepSpeed run of the tiny config."""
-    cfg = tiny_config(assets, work, "ref")
+    """An uninterrupted 2-process DeepSpeed run of the tiny config, with 2 loader workers per rank."""
+    cfg = tiny_config(assets, work, "ref", data={"num_workers": 2})
     res = launch(["--config", str(cfg)], launcher="deepspeed", nproc=2)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return cfg, work / "runs" / "ref", res
@@ -74,7 +74,7 @@ def test_preempted_then_killed_run_resumes_to_identical_metrics(assets, work, re
     after step 5 of task 2, whose last committed step is 3 (checkpoint_every=3). The last re-run ends
     with the uninterrupted run's metrics."""
     _, ref_dir, _ = reference_run
-    cfg = tiny_config(assets, work, "preempt")
+    cfg = tiny_config(assets, work, "preempt", data={"num_workers": 2})  # killed with its workers running
     run_dir = work / "runs" / "preempt"
     res = launch(["--config", str(cfg)], launcher="deepspeed", nproc=2, entry=FAULTY, MCIT_TEST_FAULT="1:4:1:USR1")
     assert res.returncode == 75, res.stdout[-2000:] + res.stderr[-2000:]

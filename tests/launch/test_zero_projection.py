@@ -33,7 +33,7 @@ def _configs(assets, clip_backbone, mcit_assets, tmp: Path, zero: str) -> list[P
     two = {"tasks": ["task0", "task1"]}
     clip = {"kind": "clip", "path": str(clip_backbone), "tag": "tiny_clip"}
     return [
-        mcit_config(mcit_assets, tmp, f"fwd_prompt_{zero}", train=train),
+        mcit_config(mcit_assets, tmp, f"fwd_prompt_{zero}", train=train, data={"num_workers": 0}),
         tiny_config(assets, tmp, f"vpt_nsp2_{zero}", data=two, train=train,
                     method={"name": "vpt_nsp2", "prompt_length": 2, "temperature": 2.0}),
         tiny_config(assets, tmp, f"vpt_nsp2_clip_{zero}", data=two, train=train, backbone=clip,

@@ -1,9 +1,10 @@
 """The loader with worker processes: the same batches for any worker count, augmentation that depends only on
-(seed, sample key), and errors from a worker as one line."""
+(seed, sample key), errors from a worker as one line, and a stuck worker as one."""
 
 from __future__ import annotations
 
 import io
+import time
 
 import numpy as np
 import pytest
@@ -102,6 +103,52 @@ def test_a_sample_that_cannot_be_decoded_in_a_worker_is_one_line_naming_it(tmp_p
                           num_workers=2))
     msg = str(e.value)
     assert "\n" not in msg and "sample p0006" in msg and "cannot decode" in msg
+
+
+class _StuckInWorker:
+    """The collate of a worker that never returns for the batch holding ``key`` (a worker stuck on storage, or
+    deadlocked in ``fork``); the same collate in the training process works."""
+
+    def __init__(self, inner, key: str) -> None:
+        self.inner, self.key = inner, key
+
+    def __call__(self, samples, seed=None):
+        if torch.utils.data.get_worker_info() is not None and any(s["__key__"] == self.key for s in samples):
+            time.sleep(3600)
+        return self.inner(samples, seed)
+
+
+@pytest.mark.parametrize("stream", ["train", "eval"])
+def test_a_stuck_worker_stops_the_stream_with_one_line_naming_the_split(split, stream):
+    """No silent hang: past ``worker_timeout_s`` without a batch the stream raises, after the batches before the
+    stuck one, and the workers are gone (a fork deadlock hung a CI run for 15 minutes before this)."""
+    import gc
+    import multiprocessing
+
+    got = []
+    t0 = time.monotonic()
+    with pytest.raises(DataError) as e:
+        if stream == "train":
+            collate = _StuckInWorker(_collate(split), "p0020")
+            batches = train_batches(split, rank=0, world=1, batch_size=4, num_steps=12, skip_steps=0, seed=0,
+                                    policy="sample", shuffle_buffer=1, collate=collate, aug_seed=11, num_workers=2,
+                                    worker_timeout_s=2)
+        else:
+            collate = _StuckInWorker(_collate(split, "none", False), "p0020")
+            batches = eval_batches(split, rank=0, world=1, batch_size=4, policy="sample", collate=collate,
+                                   num_workers=2, worker_timeout_s=2)
+        for b in batches:
+            got.append(b)
+    elapsed = time.monotonic() - t0
+    msg = str(e.value)
+    assert "\n" not in msg and split.location in msg and "data.worker_timeout_s" in msg and " 2 s " in msg
+    assert elapsed < 30 and len(got) >= 3  # the batches before p0020's (samples 20-23) came through
+    del batches, b
+    gc.collect()
+    deadline = time.monotonic() + 20
+    while multiprocessing.active_children() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not multiprocessing.active_children()
 
 
 def test_one_stream_over_several_splits_or_epochs_equals_one_stream_each(split, tmp_path):
