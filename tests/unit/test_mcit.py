@@ -410,6 +410,12 @@ def test_energy_basis_thresholds_are_inclusive_and_count_captured_energy():
         new = energy_basis(cov, 0.7, e1)
         assert new.shape == (4, 1) and torch.allclose(new[:, 0].abs(), torch.eye(4, dtype=torch.float64)[:, 1])
         assert energy_basis(cov, 0.71, e1).shape == (4, 2)
+    # isotropic statistics: 99% of the energy needs every direction, the last one included (a cap of d - 1
+    # directions when there is no basis yet, or d - m - 1 with one, would leave part of the space open)
+    iso = torch.eye(4, dtype=torch.float64)
+    full = energy_basis(iso, 0.99)
+    assert full.shape == (4, 4) and torch.allclose(full.T @ full, iso)
+    assert energy_basis(iso, 0.99, iso[:, :2]).shape == (4, 2)
 
 
 def test_scorers_at_their_edges():
