@@ -432,6 +432,9 @@ def test_scorers_at_their_edges():
     assert S.normalize("3.5") == "3.5" and S.normalize("It is 3.5.") == "it is 3.5"
     assert S.exact_match("3 5", {"answer": "3.5"}) == 0.0 and S.exact_match("35", {"answer": "3.5"}) == 0.0
     assert S.exact_match("3.5", {"answer": "3.5"}) == 1.0
+    assert S.exact_match("A red, round ball!", {"answer": "red round ball"}) == 1.0  # punctuation, articles, case
+    # EvalAI's answer processor (CoIN's TextVQA): "?" and "," dropped, "'s" split off as a lower-case word
+    assert [S.evalai_normalise(t) for t in ("Yes?", "1,000", "John's cat")] == ["yes", "1000", "john 's cat"]
 
 
 def test_coin_grounding_reads_a_box_reference_before_the_answer_text():
@@ -444,6 +447,7 @@ def test_coin_grounding_reads_a_box_reference_before_the_answer_text():
     both = {"answer": "[5, 5, 9, 9]", "answer_bbox": "[0, 0, 10, 10]"}
     assert S.get("coin_grounding")("[0, 0, 10, 10]", both) == 1.0
     assert S.get("coin_grounding")("[5, 5, 9, 9]", both) == 0.0
+    assert S.get("coin_grounding")("[0, 0, 10, 6]", {"answer": "[0, 0, 10, 10]"}) == 1.0  # neither: the answer text
 
 
 def test_box_iou_on_boxes_that_are_not_squares_at_the_origin():
