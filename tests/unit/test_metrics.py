@@ -36,7 +36,12 @@ def test_forgetting_uses_max_over_earlier_rows_not_diagonal():
 
 def test_single_task_and_non_square_rejected():
     m = M.compute([[77.0]], [3], [10.0])
-    assert m["final_avg_acc"] == 77.0 and m["forgetting"] == 0.0 and m["fwd"] is None
+    assert m["final_avg_acc"] == 77.0 and m["fwd"] is None
+    assert (m["forgetting"], m["forgetting_mammoth"], m["bwt"]) == (0.0, 0.0, 0.0)  # numbers, not None
+    # two tasks already have a past: task 0 goes 90 -> 70 (forgetting and bwt 20), task 1 was 30 zero-shot, 40
+    # before it was learned
+    m = M.compute([[90.0, 40.0], [70.0, 80.0]], [1, 1], [10.0, 30.0])
+    assert (m["forgetting"], m["forgetting_mammoth"], m["bwt"], m["fwd"]) == (20.0, 20.0, -20.0, 10.0)
     with pytest.raises(ValueError):
         M.compute([[1.0, 2.0]], [1, 1])
 

@@ -67,6 +67,7 @@ def test_uneven_ranks_padding_and_global_valid(split):
         seen += int(sum(b.valid.sum() for b in batches))
     assert seen == 103
     assert sum(global_valid(counts, s, B) for s in range(steps)) == 103
+    assert global_valid([5, 3], 1, 4) == 1  # the second rank has nothing left at step 1: it adds 0, not 1
 
 
 def _t(images):
