@@ -518,3 +518,29 @@ def test_stream_statistics_sums_every_batch_and_concatenates_rows_in_order():
     assert m.task == 4 and m.state["s"].tolist() == [16.0, 29.0]
     assert m.state["rows"][:, 0].tolist() == [0.0, 2.0, 4.0, 10.0]
     assert report == {"dims": 1, "state_sha256_per_rank": [state_digest(m.state)]}
+
+
+def test_state_digest_sees_every_byte_and_token_covariance_counts_tokens():
+    """The subspace stage compares ranks' state digests to catch a diverged rank: one changed value must change
+    the digest. The token count is the number of valid tokens (rows), not the embedding width."""
+    from mcit.subspace import state_digest, token_covariance
+
+    a = {"w": torch.zeros(3), "b": torch.ones(2)}
+    assert state_digest(a) == state_digest({k: v.clone() for k, v in a.items()})
+    assert state_digest(a) != state_digest({"w": torch.tensor([0.0, 0.0, 1e-7]), "b": torch.ones(2)})
+    x = torch.arange(30, dtype=torch.float32).reshape(2, 5, 3)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 0, 0, 0]])
+    cov, n = token_covariance(x, mask)
+    rows = torch.cat([x[0, :3], x[1, :2]]).double()
+    assert float(n) == 5.0 and torch.equal(cov, rows.T @ rows)
+
+
+def test_batch_to_keeps_the_allowed_classes():
+    """Evaluation sets the seen-class mask, then moves the batch to the device: the mask must travel with it
+    (dropping it lets a class of a task not yet trained be predicted)."""
+    from mcit.data.types import Batch
+
+    allowed = torch.tensor([True, False, True])
+    b = Batch(torch.zeros(2, 3, 4, 4), torch.tensor([0, 2]), torch.ones(2), 0, ["a", "b"], allowed)
+    moved = b.to(torch.device("cpu"))
+    assert moved.allowed_classes is not None and torch.equal(moved.allowed_classes, allowed)
