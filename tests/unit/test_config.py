@@ -150,3 +150,20 @@ def test_input_paths_are_kept_absolute_method_paths_included(tmp_path, monkeypat
     assert cfg.run_dir == "runs/x"
     data["method"]["clip_path"] = "openai/clip-vit-large-patch14"
     assert load_config(write(tmp_path, data)).method.params().clip_path == "openai/clip-vit-large-patch14"
+
+
+@pytest.mark.parametrize("name,cls", [("adam", "Adam"), ("adamw", "AdamW"), ("sgd", "SGD")])
+def test_the_optimizer_takes_the_configured_lr_decay_and_momentum(tmp_path, name, cls):
+    """train.optimizer / lr / weight_decay / momentum reach the torch optimizer (values unlike torch's
+    defaults, so a dropped argument shows)."""
+    import torch
+
+    from mcit.engine import make_optimizer
+
+    train = {"optimizer": name, "lr": 0.0123, "weight_decay": 0.034, "momentum": 0.55}
+    cfg = load_config(write(tmp_path, {**BASE, "train": train}))
+    opt = make_optimizer(cfg, [torch.nn.Parameter(torch.zeros(2))])
+    g = opt.param_groups[0]
+    assert type(opt).__name__ == cls and g["lr"] == 0.0123 and g["weight_decay"] == 0.034
+    if name == "sgd":
+        assert g["momentum"] == 0.55
