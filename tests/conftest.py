@@ -147,7 +147,9 @@ def _write_config(cfg: dict, tmp: Path, name: str, sections: dict) -> Path:
 @contextlib.contextmanager
 def http_served(directory: Path) -> Iterator[str]:
     """``directory`` served by the standard library's HTTP server on 127.0.0.1 (a free port) for the duration
-    of the block; yields its base URL. HEAD and GET, as a static file server or an object store's gateway."""
+    of the block; yields its base URL. HEAD and GET, as a static file server or an object store's gateway;
+    ``/moved/<path>`` answers 302 to ``/<path>`` (with a body length of its own), as a CDN or a signed-URL
+    gateway does."""
     import functools
     import http.server
     import threading
@@ -155,6 +157,23 @@ def http_served(directory: Path) -> Iterator[str]:
     class Quiet(http.server.SimpleHTTPRequestHandler):
         def log_message(self, *args) -> None:  # noqa: D401 - the test output stays readable
             pass
+
+        def _moved(self) -> bool:
+            if not self.path.startswith("/moved/"):
+                return False
+            self.send_response(302)
+            self.send_header("Location", self.path[len("/moved"):])
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return True
+
+        def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+            if not self._moved():
+                super().do_GET()
+
+        def do_HEAD(self) -> None:  # noqa: N802
+            if not self._moved():
+                super().do_HEAD()
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(directory)))
     thread = threading.Thread(target=server.serve_forever, daemon=True)

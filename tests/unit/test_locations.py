@@ -69,6 +69,24 @@ def test_http_and_pipe_splits_read_the_same_samples_as_the_local_files(tmp_path)
             assert got[0]["__url__"].startswith(where.split("{}")[0].rstrip("/") + "/shard-")
 
 
+def test_redirected_shards_are_followed_for_their_size_and_their_bytes(tmp_path):
+    """Object stores and CDNs answer with a redirect; the size check must follow it as webdataset's reader does
+    (curl -L), and compare the size of the file, not of the redirect's empty body."""
+    root = _write(tmp_path)
+    local = open_split(root / "t0" / "train")
+    with http_served(root) as url:
+        split = open_split(f"{url}/moved/t0/train", verify="size")
+        assert split.manifest == local.manifest
+        keys = [s["__key__"] for s in iter_samples(split, 0, 1)]
+        assert len(keys) == 37 and keys == [s["__key__"] for s in iter_samples(local, 0, 1)]
+        shard = root / "t0" / "train" / "shard-000001.tar"
+        size = shard.stat().st_size
+        shard.write_bytes(shard.read_bytes()[:-1024])
+        with pytest.raises(DataError, match=rf"^shard {url}/moved/t0/train/shard-000001.tar has {size - 1024} bytes, "
+                                            rf"manifest says {size} \(truncated or modified\)$"):
+            open_split(f"{url}/moved/t0/train")
+
+
 def _first_failure(split) -> tuple[int, str]:
     """How many samples came out before the reader stopped, and its message."""
     got = []

@@ -35,6 +35,18 @@ def test_roundtrip_and_manifest(split):
     assert img.size == (4, 4) and label == 0 and key == "s0000"
 
 
+def test_manifest_keeps_class_names_and_the_builders_extra_fields(tmp_path):
+    """Tasks are told apart by what data_prep writes beside the shards (task, class order, seed, scorer):
+    a manifest that dropped them would make every task look alike."""
+    extra = {"task": "task3", "class_order": [2, 0, 1], "seed": 7}
+    write_split(tmp_path / "sp", _samples(5), shard_size=4, label_space=[2, 0, 1], class_names={0: "a", 2: "c"},
+                extra=extra)
+    m = open_split(tmp_path / "sp").manifest
+    assert {k: m[k] for k in extra} == extra
+    assert m["class_names"] == {"0": "a", "2": "c"} and m["label_space"] == [0, 1, 2]
+    assert [s["num_samples"] for s in m["shards"]] == [4, 1]
+
+
 @pytest.mark.parametrize("policy", ["shard", "sample", "auto"])
 @pytest.mark.parametrize("world", [2, 3])
 def test_ranks_disjoint_and_complete(split, policy, world):
