@@ -149,6 +149,9 @@ def evaluate(plan: Any, ks: list[int], tasks: list[int], *, zero_shot: bool, wri
             done = run.rows_done(len(plan.names))
             if done:
                 print(M.format_summary(write_metrics(plan, done)))
+    from mcit.data.loader import shutdown_workers
+
+    shutdown_workers()
     dist.shutdown()
     return 0
 

@@ -84,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     from mcit import distributed as dist
     from mcit import preemption
     from mcit.checkpoint import WriteError
+    from mcit.data.loader import shutdown_workers
     from mcit.engine import NonFiniteError
     from mcit.pipeline import CollectiveError
 
@@ -123,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         _unexpected(e, plan.run_dir)
         return 1
     finally:
+        shutdown_workers()  # the loader's persistent workers (mcit.data.loader.WorkerPool)
         lock.release()  # also dropped by the kernel if this process dies first
     if dist.is_main():
         print(summary_text(metrics, plan.run_dir))

@@ -89,6 +89,17 @@ class Backbone(nn.Module, metaclass=ABCMeta):
     def train(self, mode: bool = True) -> "Backbone":  # frozen: always eval (no dropout drift)
         return super().train(False)
 
+    def collation_view(self) -> "Backbone":
+        """This backbone without its model: the same class and plain attributes (processor, tokenizer, image
+        size, normalisation), no submodules, parameters or buffers. A collate bound to it pickles in
+        kilobytes, so the loader's persistent workers can be sent each stage's collates (``mcit.data.loader``);
+        one bound to the backbone itself would carry the weights."""
+        view = object.__new__(type(self))
+        state = dict(self.__dict__)
+        state.update(_modules={}, _parameters={}, _buffers={}, _non_persistent_buffers_set=set())
+        view.__dict__.update(state)
+        return view
+
 
 def backbone_class(kind: str) -> type[Backbone]:
     """The registered backbone ``kind``."""
@@ -262,7 +273,7 @@ class PromptableImageEncoder(Backbone):
         """How raw samples of ``split`` become a Batch (classification: images and class indices)."""
         from mcit.data.loader import classification_collate
 
-        return classification_collate(self.preprocess, label_index, task, split, transform)
+        return classification_collate(self.collation_view().preprocess, label_index, task, split, transform)
 
     def encode(self, tokens: torch.Tensor, prompts: dict[int, LayerPrompt] | None = None,
                appended: dict[int, torch.Tensor] | None = None) -> torch.Tensor:

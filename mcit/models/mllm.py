@@ -261,61 +261,67 @@ class MLLMBackbone(Backbone):
         multi-turn conversation, with its history) and their end-of-turn tokens, -100 elsewhere. Eval: the
         prompt up to the last answer, left padding, references in ``meta``. Text-only samples have no image
         tokens; ``inputs["has_image"]`` says which rows do."""
+        import functools
+
+        return functools.partial(self.collation_view().collate, task=task, train=train,
+                                 location=str(getattr(split, "location", "?")))
+
+    def collate(self, samples: list[dict], seed: int | None = None, *, task: int, train: bool,
+                location: str) -> Batch:
+        """``make_collate``'s collate (``seed`` is unused: instruction samples are not augmented); a method, so
+        that the collate bound to ``collation_view()`` pickles into the loader's workers."""
         from mcit.data.instructions import decode_instruction
 
         pad_id = int(self.tokenizer.pad_token_id)
+        ids_list, lab_list, pix, keys, meta, has = [], [], [], [], [], []
+        qf_ids: list[list[int]] = []
+        grids: list[torch.Tensor] = []
+        decoded = [decode_instruction(s) for s in samples]
+        encoded = self.encode_batch([(rec["turns"], image) for image, rec, _ in decoded], train=train)
+        for (image, rec, key), (ids, labels, enc) in zip(decoded, encoded):
+            if len(ids) > self.max_length:
+                raise ValueError(f"sample {key} in {location}: {len(ids)} tokens "
+                                 f"> backbone.max_length {self.max_length}")
+            ids_list.append(ids)
+            lab_list.append(labels)
+            has.append(image is not None)
+            if "qformer_input_ids" in enc:
+                qf_ids.append(enc["qformer_input_ids"][0].tolist())
+            if self.kind == "qwen2_vl":  # pixel_values are this image's flattened patches (none: text only)
+                grids.append(enc["image_grid_thw"][0] if image is not None else torch.zeros(3, dtype=torch.long))
+                pix.append(enc["pixel_values"] if image is not None else None)
+            else:
+                pix.append(enc["pixel_values"][0] if image is not None else self._blank_pixels())
+            keys.append(key)
+            meta.append({**{k: v for k, v in rec.items() if k != "turns"}, "key": key})
+        L = max(len(x) for x in ids_list)
+        B = len(ids_list)
+        input_ids = torch.full((B, L), pad_id, dtype=torch.long)
+        attn = torch.zeros(B, L, dtype=torch.long)
+        labels = torch.full((B, L), -100, dtype=torch.long)
+        for i, (ids, lab) in enumerate(zip(ids_list, lab_list)):
+            n = len(ids)
+            sl = slice(0, n) if train else slice(L - n, L)  # right padding to train, left to generate
+            input_ids[i, sl] = torch.tensor(ids)
+            attn[i, sl] = 1
+            labels[i, sl] = torch.tensor(lab)
+        inputs = {"input_ids": input_ids, "attention_mask": attn, "has_image": torch.tensor(has)}
+        if qf_ids:  # the Q-Former's own copy of the instruction (InstructBLIP)
+            Lq = max(len(x) for x in qf_ids)
+            qf = torch.zeros(B, Lq, dtype=torch.long)
+            qm = torch.zeros(B, Lq, dtype=torch.long)
+            for i, x in enumerate(qf_ids):
+                qf[i, : len(x)] = torch.tensor(x)
+                qm[i, : len(x)] = 1
+            inputs.update(qformer_input_ids=qf, qformer_attention_mask=qm)
+        if self.kind == "qwen2_vl":  # patches padded to the longest image; image_grid_thw says how many are real
+            width = next((p.shape[1] for p in pix if p is not None), 1)
+            n = max((p.shape[0] for p in pix if p is not None), default=1)
+            pix = [torch.zeros(n, width) if p is None else torch.cat([p, p.new_zeros(n - p.shape[0], width)])
+                   for p in pix]
+            inputs["image_grid_thw"] = torch.stack(grids)  # a text-only row's grid is 0 x 0 x 0
+        return Batch(torch.stack(pix), labels, torch.ones(B), task, keys, inputs=inputs, meta=meta)
 
-        def collate(samples: list[dict], seed: int | None = None) -> Batch:
-            ids_list, lab_list, pix, keys, meta, has = [], [], [], [], [], []
-            qf_ids: list[list[int]] = []
-            grids: list[torch.Tensor] = []
-            decoded = [decode_instruction(s) for s in samples]
-            encoded = self.encode_batch([(rec["turns"], image) for image, rec, _ in decoded], train=train)
-            for (image, rec, key), (ids, labels, enc) in zip(decoded, encoded):
-                if len(ids) > self.max_length:
-                    raise ValueError(f"sample {key} in {getattr(split, 'location', '?')}: {len(ids)} tokens "
-                                     f"> backbone.max_length {self.max_length}")
-                ids_list.append(ids)
-                lab_list.append(labels)
-                has.append(image is not None)
-                if "qformer_input_ids" in enc:
-                    qf_ids.append(enc["qformer_input_ids"][0].tolist())
-                if self.kind == "qwen2_vl":  # pixel_values are this image's flattened patches (none: text only)
-                    grids.append(enc["image_grid_thw"][0] if image is not None else torch.zeros(3, dtype=torch.long))
-                    pix.append(enc["pixel_values"] if image is not None else None)
-                else:
-                    pix.append(enc["pixel_values"][0] if image is not None else self._blank_pixels())
-                keys.append(key)
-                meta.append({**{k: v for k, v in rec.items() if k != "turns"}, "key": key})
-            L = max(len(x) for x in ids_list)
-            B = len(ids_list)
-            input_ids = torch.full((B, L), pad_id, dtype=torch.long)
-            attn = torch.zeros(B, L, dtype=torch.long)
-            labels = torch.full((B, L), -100, dtype=torch.long)
-            for i, (ids, lab) in enumerate(zip(ids_list, lab_list)):
-                n = len(ids)
-                sl = slice(0, n) if train else slice(L - n, L)  # right padding to train, left to generate
-                input_ids[i, sl] = torch.tensor(ids)
-                attn[i, sl] = 1
-                labels[i, sl] = torch.tensor(lab)
-            inputs = {"input_ids": input_ids, "attention_mask": attn, "has_image": torch.tensor(has)}
-            if qf_ids:  # the Q-Former's own copy of the instruction (InstructBLIP)
-                Lq = max(len(x) for x in qf_ids)
-                qf = torch.zeros(B, Lq, dtype=torch.long)
-                qm = torch.zeros(B, Lq, dtype=torch.long)
-                for i, x in enumerate(qf_ids):
-                    qf[i, : len(x)] = torch.tensor(x)
-                    qm[i, : len(x)] = 1
-                inputs.update(qformer_input_ids=qf, qformer_attention_mask=qm)
-            if self.kind == "qwen2_vl":  # patches padded to the longest image; image_grid_thw says how many are real
-                width = next((p.shape[1] for p in pix if p is not None), 1)
-                n = max((p.shape[0] for p in pix if p is not None), default=1)
-                pix = [torch.zeros(n, width) if p is None else torch.cat([p, p.new_zeros(n - p.shape[0], width)])
-                       for p in pix]
-                inputs["image_grid_thw"] = torch.stack(grids)  # a text-only row's grid is 0 x 0 x 0
-            return Batch(torch.stack(pix), labels, torch.ones(B), task, keys, inputs=inputs, meta=meta)
-
-        return collate
 
     # -- compute --------------------------------------------------------------------------------
     def _vision(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:

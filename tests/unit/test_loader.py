@@ -125,6 +125,9 @@ def test_a_stuck_worker_stops_the_stream_with_one_line_naming_the_split(split, s
     import gc
     import multiprocessing
 
+    from mcit.data.loader import shutdown_workers
+
+    shutdown_workers()  # earlier tests' persistent workers: only this stream's are counted below
     got = []
     t0 = time.monotonic()
     with pytest.raises(DataError) as e:
@@ -178,3 +181,83 @@ def test_one_stream_over_several_splits_or_epochs_equals_one_stream_each(split, 
                                                      skip_steps=e.skip_steps, seed=e.seed, policy="sample",
                                                      shuffle_buffer=5, collate=_collate(split), aug_seed=e.aug_seed)]
     assert len(stream) == 2 * steps - 2 and _same(stream, each)
+
+
+class _Tagged:
+    """A collate that records which process built each batch (in its keys) and with what ``tag``."""
+
+    def __init__(self, inner, tag: str) -> None:
+        self.inner, self.tag = inner, tag
+
+    def __call__(self, samples, seed=None):
+        import os
+
+        batch = self.inner(samples, seed)
+        batch.keys = [f"{k}|{self.tag}|{os.getpid()}" for k in batch.keys]
+        return batch
+
+
+def _parts(batches) -> tuple[list[str], list[str], set[str]]:
+    keys = [k.split("|") for b in batches for k in b.keys]
+    return [k for k, _, _ in keys], [t for _, t, _ in keys], {p for _, _, p in keys}
+
+
+def test_workers_persist_across_streams_and_take_each_streams_own_collate(split):
+    """The process's loader workers serve stream after stream (no fork per task, per evaluation): the same
+    processes, each stream collated by its own collate, abandoned streams drained, batches as in-process."""
+    import os
+
+    from mcit.data.loader import shutdown_workers
+
+    shutdown_workers()
+    a, b = _Tagged(_collate(split, "none", False), "a"), _Tagged(_collate(split, "l2p", True), "b")
+    ev = lambda c, w: list(eval_batches(split, rank=0, world=1, batch_size=4, policy="sample", collate=c, num_workers=w))
+    keys, tags, pids = _parts(ev(a, 2))
+    assert len(keys) == 45 and set(tags) == {"a"} and len(pids - {str(os.getpid())}) == 2  # two workers did most
+    workers = pids - {str(os.getpid())}
+    tr = list(train_batches(split, rank=0, world=1, batch_size=4, num_steps=12, skip_steps=0, seed=3, policy="sample",
+                            shuffle_buffer=5, collate=b, aug_seed=11, num_workers=2))
+    tkeys, ttags, tpids = _parts(tr)
+    assert set(ttags) == {"b"} and tpids - {str(os.getpid())} == workers  # the same workers, the new collate
+    inline = list(train_batches(split, rank=0, world=1, batch_size=4, num_steps=12, skip_steps=0, seed=3,
+                                policy="sample", shuffle_buffer=5, collate=b, aug_seed=11, num_workers=0))
+    assert all(torch.equal(x.pixel_values, y.pixel_values) for x, y in zip(tr, inline)) and len(tr) == len(inline)
+    c = _Tagged(_collate(split, "none", False), "c")
+    stream = iter(eval_batches(split, rank=0, world=1, batch_size=4, policy="sample", collate=c, num_workers=2))
+    next(stream), next(stream)
+    del stream  # abandoned with batches still in the workers: the next stream must not receive them
+    keys, tags, pids = _parts(ev(a, 2))
+    assert keys == _parts(ev(a, 0))[0] and set(tags) == {"a"} and pids - {str(os.getpid())} == workers
+    from mcit.data.loader import eval_parts
+
+    row = list(eval_parts([split, split], [a, c], rank=0, world=1, batch_size=4, policy="sample", num_workers=2))
+    assert [(i, t) for i, batch in row for t in _parts([batch])[1]] == [(0, "a")] * 45 + [(1, "c")] * 45
+
+
+def test_a_collate_that_cannot_travel_gets_workers_of_its_own(split):
+    """A closure cannot be pickled, and a collate holding a model must not be: each gets a per-stream loader
+    whose workers inherit it (the same batches); a stream opened while another runs does too."""
+    import os
+
+    from mcit.data.loader import WorkerPool, shutdown_workers
+
+    shutdown_workers()
+    inner = _collate(split, "none", False)
+    closure = lambda samples, seed=None: inner(samples, seed)  # noqa: E731
+    want = list(eval_batches(split, rank=0, world=1, batch_size=4, policy="sample", collate=inner))
+    got = list(eval_batches(split, rank=0, world=1, batch_size=4, policy="sample", collate=closure, num_workers=2))
+    assert _same(got, want)
+    pool = WorkerPool(1, False, 600.0)
+    model = torch.nn.Linear(4, 4)
+    heavy = classification_collate(lambda ims, m=model: _to_tensor(ims), {0: 0}, 0, split)
+    assert pool.register([closure]) is None and pool.register([_Tagged(inner, model)]) is None
+    assert pool.register([heavy]) is None and pool.register([_Tagged(inner, torch.zeros(1 << 21))]) is None
+    keys = pool.register([inner, _Tagged(inner, "x"), inner])
+    assert keys is not None and keys[0] == keys[2] != keys[1] and sorted(os.listdir(pool.directory)) == sorted(set(keys))
+    outer = eval_batches(split, rank=0, world=1, batch_size=4, policy="sample", collate=_Tagged(inner, "o"), num_workers=2)
+    first = [next(outer)]
+    nested = list(eval_batches(split, rank=0, world=1, batch_size=4, policy="sample", collate=_Tagged(inner, "n"),
+                               num_workers=2))
+    rest = first + list(outer)
+    assert _parts(nested)[0] == _parts(rest)[0] == [k for b in want for k in b.keys]
+    assert set(_parts(nested)[1]) == {"n"} and set(_parts(rest)[1]) == {"o"}

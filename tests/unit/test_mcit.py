@@ -91,6 +91,45 @@ def test_collate_trains_on_answer_tokens_only_and_pads_left_to_generate(llava):
     assert (ev.labels == -100).all() and (ev.inputs["attention_mask"][:, -1] == 1).all()  # left padding
 
 
+def test_the_collate_travels_to_persistent_workers_without_the_model(llava, backbone, tmp_path):
+    """A backbone's collate is bound to its ``collation_view``: it pickles in kilobytes (no weights) and
+    collates the same batch after the trip, so the loader's persistent workers can take it (mcit.data.loader)."""
+    import pickle
+
+    from mcit.data.loader import WorkerPool
+    from mcit.data.shards import write_split
+
+    bb, split, samples = llava
+    pool = WorkerPool(1, False, 600.0)
+    for train in (True, False):
+        collate = bb.make_collate(split, 0, train=train)
+        blob = pickle.dumps(collate)
+        assert len(blob) < 200_000 and pool.register([collate]) is not None
+        a, b = collate(samples), pickle.loads(blob)(samples)
+        assert a.keys == b.keys and a.meta == b.meta and torch.equal(a.pixel_values, b.pixel_values)
+        assert all(torch.equal(a.inputs[k], b.inputs[k]) for k in a.inputs) and torch.equal(a.labels, b.labels)
+    assert sum(p.numel() for p in bb.parameters()) > 0 and bb.model is not None  # the backbone itself keeps its model
+    import io
+
+    from PIL import Image
+
+    def png(i):
+        buf = io.BytesIO()
+        Image.new("RGB", (20, 20), (i * 40, 9, 200)).save(buf, format="PNG")
+        return buf.getvalue()
+
+    write_split(tmp_path / "cls", [{"__key__": f"k{i}", "png": png(i), "cls": i % 2} for i in range(4)], shard_size=4,
+                label_space=[0, 1])
+    from mcit.data.shards import iter_samples, open_split
+
+    cls_split = open_split(tmp_path / "cls")
+    vit_collate = backbone.make_collate(cls_split, 0, train=False, label_index={0: 0, 1: 1})
+    blob = pickle.dumps(vit_collate)
+    rows = list(iter_samples(cls_split, 0, 1))
+    assert len(blob) < 20_000 and pool.register([vit_collate]) is not None
+    assert torch.equal(vit_collate(rows).pixel_values, pickle.loads(blob)(rows).pixel_values)
+
+
 def test_generation_does_not_depend_on_the_batch(llava):
     from mcit.data.types import TaskSequence
     from mcit.registry import METHODS
