@@ -4,7 +4,8 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 NPROC  ?= 2
-DEMO_CONFIGS ?= configs/tiny_mcit_prompt_tuning.yaml configs/tiny_mcit_fwd_prompt.yaml configs/tiny_mcit_lora.yaml
+DEMO_CONFIGS ?= configs/tiny_mcit_prompt_tuning.yaml configs/tiny_mcit_fwd_prompt.yaml configs/tiny_mcit_lora.yaml \
+                configs/tiny_mcit_olora.yaml configs/tiny_mcit_moelora.yaml
 CIL_METHODS  ?= seq l2p l2p_pgp dualprompt dualprompt_pgp coda_prompt hide_prompt norga vpt_nsp2 soft_tf soft_tf_gradient_id soft_tf_gradient_id_batch l2p_soft_tf clip_zero_shot vpt_nsp2_clip star_prompt
 CIL_CONFIGS  ?= $(foreach m,$(CIL_METHODS),configs/digits_$(m).yaml)
 RUN := PATH=$(abspath $(BIN)):$$PATH DS_ACCELERATOR=cpu CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1
@@ -47,8 +48,8 @@ $(TINY_LLAVA): data_prep/pretrain_tiny_llava.py mcit/models/tiny_llava.py mcit/m
 # The embedded MCIT benchmark's shards and the project's own instruction-tuned tiny LLaVA.
 data: $(TINY_MCIT) $(TINY_LLAVA)
 
-# The main job: the MCIT sequence on 2 CPU processes with sequential prompt tuning, Fwd-Prompt and
-# sequential LoRA, then one comparison table.
+# The main job: the MCIT sequence on 2 CPU processes with sequential prompt tuning, Fwd-Prompt, sequential
+# LoRA, O-LoRA and MoELoRA, then one comparison table.
 demo: data
 	@for c in $(DEMO_CONFIGS); do \
 	  echo "== deepspeed --num_gpus $(NPROC) pipelines/run_task_sequence.py --config $$c"; \

@@ -1,17 +1,19 @@
 """``lora``: sequential LoRA of the frozen MLLM's language model (peft), an MCIT baseline.
 
-peft's ``inject_adapter_in_model`` adds LoRA layers to the LLM's attention projections in place; the
+peft's ``inject_adapter_in_model`` adds LoRA layers to the LLM's target projections in place; the
 method registers the adapter matrices as its own submodules, so DeepSpeed trains, shards and
 checkpoints exactly those (the backbone stays frozen and outside the engine). The LoRA layers are
-injected once per backbone object; every build of the method puts *new* A/B Linear modules into them
+injected once per backbone object; every build of the method puts *new* A/B modules into them
 (initialised as peft does), so a rebuilt method (after each stage, or on resume) starts from the same
 values, loads its saved state, and shares no parameter object, hook or ZeRO bookkeeping with the
 DeepSpeed engine of an earlier task (re-using them made a later task read stale optimizer state).
+``lora_layers`` is that injection, shared with O-LoRA and MoELoRA, which put their own A/B modules in.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Union
 
 import torch
 from pydantic import Field
@@ -22,12 +24,74 @@ from mcit.methods.base import MethodParams
 from mcit.methods.instruction import InstructionMethod
 from mcit.registry import METHODS
 
+# A list of module names (peft's rule: a module matches when its name is the target or ends in ".target"),
+# or "all-linear": every nn.Linear of the LLM but the output head (CoIN's find_all_linear_names).
+Targets = Union[list[str], str]
+_INJECTED = "_mcit_lora_targets"
+
+
+def all_linear_names(lm: nn.Module) -> list[str]:
+    """The last name component of every nn.Linear in ``lm`` except ``lm_head`` (as CoIN's
+    ``find_all_linear_names``, which LoRA and MoELoRA there target)."""
+    names = {n.split(".")[-1] for n, m in lm.named_modules() if isinstance(m, nn.Linear) and n}
+    names.discard("lm_head")
+    return sorted(names)
+
+
+def lora_layers(lm: nn.Module, targets: Targets, r: int, alpha: float, method: str) -> dict[str, nn.Module]:
+    """peft ``LoraLayer``s on ``lm``'s target modules, by module name, for a method to fill.
+
+    Injected once per backbone object (a second request with other targets is an error: one backbone
+    carries one method's adapters). Each call sets this build's scaling ``alpha / r``; the caller installs
+    its own ``lora_A["default"]`` / ``lora_B["default"]`` modules, which peft's forward computes as
+    ``result + lora_B(lora_A(dropout(x))) * scaling``. peft's dropout slot is the identity: a method's
+    dropout lives in its own A module, so it follows the method's train / eval mode (the frozen backbone,
+    which holds peft's slot, is never put in training mode)."""
+    from peft import LoraConfig, inject_adapter_in_model
+    from peft.tuners.lora import LoraLayer
+
+    spec = targets if isinstance(targets, str) else sorted(targets)
+    done = getattr(lm, _INJECTED, None)
+    if done is None and any(isinstance(m, LoraLayer) for m in lm.modules()):
+        done = "(unknown)"
+    if done is None:
+        names = all_linear_names(lm) if targets == "all-linear" else spec
+        if not names:
+            raise ValueError(f"method.target_modules: the language model has no nn.Linear for {method} to adapt")
+        cfg = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=names, bias="none")
+        try:
+            inject_adapter_in_model(cfg, lm)
+        except ValueError as e:
+            raise ValueError(f"method.target_modules {targets} matched no module of the language model") from e
+        object.__setattr__(lm, _INJECTED, spec)
+    elif done != spec:
+        raise ValueError(f"method {method}: this backbone already carries LoRA layers for target_modules {done}, "
+                         f"not {spec}; build the method on a freshly loaded backbone")
+    layers = {n: m for n, m in lm.named_modules() if isinstance(m, LoraLayer) and "default" in m.lora_A}
+    if not layers:
+        raise ValueError(f"method.target_modules {targets} matched no module of the language model")
+    for m in layers.values():
+        m.scaling["default"] = alpha / r
+        m.lora_dropout["default"] = nn.Identity()
+    return layers
+
+
+class DropoutLinear(nn.Linear):
+    """A bias-free LoRA A matrix that applies the method's dropout to its input first (state: ``weight``)."""
+
+    def __init__(self, in_features: int, out_features: int, dropout: float, **kw) -> None:
+        super().__init__(in_features, out_features, bias=False, **kw)
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(self.dropout(x))
+
 
 class LoraParams(MethodParams):
     r: int = Field(8, ge=1)
     alpha: float = Field(16.0, gt=0)
     dropout: float = Field(0.0, ge=0, lt=1)
-    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "v_proj"])
+    target_modules: Targets = Field(default_factory=lambda: ["q_proj", "v_proj"])
 
 
 @METHODS.register("lora")
@@ -38,27 +102,16 @@ class Lora(InstructionMethod):
     def __init__(self, params: LoraParams, backbone: nn.Module, sequence: TaskSequence) -> None:
         super().__init__(params, backbone, sequence)
         self._check_backbone()
-        from peft import LoraConfig, inject_adapter_in_model
-        from peft.tuners.lora import LoraLayer
-
-        lm = backbone.language_model
-        if not any(isinstance(m, LoraLayer) for m in lm.modules()):
-            cfg = LoraConfig(r=params.r, lora_alpha=params.alpha, lora_dropout=params.dropout,
-                             target_modules=list(params.target_modules), bias="none")
-            inject_adapter_in_model(cfg, lm)
         self.adapters = nn.ModuleDict()
-        for name, m in lm.named_modules():
-            if isinstance(m, LoraLayer) and "default" in m.lora_A:
-                old_a, old_b = m.lora_A["default"], m.lora_B["default"]
-                kw = {"device": old_a.weight.device, "dtype": torch.float32}
-                a = nn.Linear(old_a.in_features, old_a.out_features, bias=False, **kw)
-                b = nn.Linear(old_b.in_features, old_b.out_features, bias=False, **kw)
-                nn.init.kaiming_uniform_(a.weight, a=math.sqrt(5))  # peft's own initialisation
-                nn.init.zeros_(b.weight)
-                m.lora_A["default"], m.lora_B["default"] = a, b
-                self.adapters[name.replace(".", "__")] = nn.ModuleDict({"A": a, "B": b})
-        if not len(self.adapters):
-            raise ValueError(f"method.target_modules {params.target_modules} matched no module of the language model")
+        layers = lora_layers(backbone.language_model, params.target_modules, params.r, params.alpha, self.name)
+        for name, m in layers.items():
+            kw = {"device": m.get_base_layer().weight.device, "dtype": torch.float32}
+            a = DropoutLinear(m.in_features, params.r, params.dropout, **kw)
+            b = nn.Linear(params.r, m.out_features, bias=False, **kw)
+            nn.init.kaiming_uniform_(a.weight, a=math.sqrt(5))  # peft's own initialisation
+            nn.init.zeros_(b.weight)
+            m.lora_A["default"], m.lora_B["default"] = a, b
+            self.adapters[name.replace(".", "__")] = nn.ModuleDict({"A": a, "B": b})
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.adapters.parameters()]

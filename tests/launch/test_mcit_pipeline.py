@@ -72,16 +72,26 @@ def test_killed_mcit_run_resumes_to_identical_answers(mcit_assets, z3_run):
         assert a == (z3_run / "runs" / "z3" / "eval" / "answers" / "after_task_1" / f"{task}.jsonl").read_text()
 
 
-def test_lora_rebuilt_between_tasks_trains_from_its_loaded_state(mcit_assets, tmp_path):
+def test_lora_family_rebuilt_between_tasks_trains_from_its_loaded_state(mcit_assets, tmp_path):
     """The pipeline rebuilds the method after every stage and gives each task a new DeepSpeed engine.
-    On 2 ZeRO-2 ranks, a rebuilt LoRA must start each task's engine from its loaded values, not from
-    bookkeeping an earlier engine left on shared parameter objects (which corrupted the gathered fp32
-    state when the adapters were reused across builds)."""
+    On 2 ranks, a rebuilt LoRA (ZeRO-2), O-LoRA and MoELoRA (ZeRO-3 with every parameter partitioned: O-LoRA
+    reads its blocks for the regulariser, which must happen while DeepSpeed has gathered them) must start each
+    task's engine from its loaded values, not from bookkeeping an earlier engine left on shared parameter
+    objects (which corrupted the gathered fp32 state when the adapters were reused across builds); every task
+    trains, and O-LoRA's earlier tasks' pairs stay bit-identical."""
     out = tmp_path / "lora.json"
+    zero3 = tmp_path / "zero3.json"
+    zero3.write_text(json.dumps({"zero_optimization": {"stage": 3, "overlap_comm": False,
+                                                       "stage3_param_persistence_threshold": 0},
+                                 "zero_allow_untested_optimizer": True}))
     cmd = [launcher_cmd("torchrun", 2), "--nproc_per_node", "2", "--master_port", str(free_port()),
            str(ROOT / "tests" / "launch" / "workers" / "lora_rebuild.py"), str(mcit_assets["backbone"]), str(mcit_assets["shards"]),
-           str(out)]
+           str(out), "deepspeed_configs/zero2.json", str(zero3)]
     r = subprocess.run(cmd, cwd=ROOT, env=run_env(), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
-    assert res["trained"] == [True, True, True] and res["starts_from_loaded"] == [True, True], res
+    for name in ("lora", "olora", "moelora"):
+        got = res[name]
+        assert got["trained"] == [True, True, True] and got["starts_from_loaded"] == [True, True], (name, got)
+    # how many earlier-task blocks each task kept bit-identical (-1: one moved): 4 projections x A, B per task
+    assert res["olora"]["frozen_kept"] == [0, 8, 16], res["olora"]

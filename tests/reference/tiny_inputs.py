@@ -169,6 +169,33 @@ def check_wtp_step(m, b, ref: dict, names: list[str]) -> None:
     check_gradients(m, ref, names)
 
 
+def llama_lm():
+    """The LLM of the LoRA-family references: a LlamaModel 8 wide, 2 layers, 2 heads, MLP 12, every weight
+    0.3 * randn (norm weights 1 + 0.3 * randn) from Generator seed 0 in sorted name order, so the official
+    peft code and ours adapt the same model."""
+    from transformers import LlamaConfig, LlamaModel
+
+    cfg = LlamaConfig(hidden_size=8, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                      intermediate_size=12, vocab_size=32)
+    lm = LlamaModel(cfg)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in sorted(lm.named_parameters()):
+            p.copy_((1.0 if "norm" in name else 0.0) + 0.3 * torch.randn(p.shape, generator=g))
+    return lm
+
+
+class LanguageModelHolder:
+    """What an MCIT method reads of its backbone when it only adapts the LLM: the LLM itself, that it
+    generates (``task_type``) and its depth. The references feed the LLM hidden states directly."""
+
+    task_type = "generation"
+
+    def __init__(self, lm) -> None:
+        self.language_model = lm
+        self.num_layers = lm.config.num_hidden_layers
+
+
 def official(name: str) -> dict[str, Any]:
     return json.loads((OFFICIAL / f"{name}.json").read_text())
 

@@ -193,6 +193,52 @@ def test_lora_rebuild_reuses_injected_adapters(llava):
     assert b.merged_delta_norm() == pytest.approx(a.merged_delta_norm())
 
 
+@pytest.mark.parametrize("name,params", [("olora", {"r": 2, "lamda_2": 0.1}),
+                                         ("moelora", {"r": 4, "experts": 2, "alpha": 8})])
+def test_lora_family_starts_as_the_pretrained_model_and_rebuilds_from_its_state(mcit_assets, llava, name, params):
+    """O-LoRA and MoELoRA add nothing before training (B = 0: the zero-shot row is the pre-trained model's);
+    after training, a rebuilt method that loads the state computes the same loss. O-LoRA trains only the
+    current task's pair, and from the second task on its orthogonality term is positive."""
+    from mcit.data.types import TaskSequence
+    from mcit.models.mllm import MLLMBackbone
+    from mcit.registry import METHODS
+
+    _, split, samples = llava
+    bb = MLLMBackbone.from_path(str(mcit_assets["backbone"]))  # its own: each method injects its own layers
+    batch = bb.make_collate(split, 0, train=True)(samples[:4])
+    seq = TaskSequence.from_label_spaces(["a", "b"], [[], []])
+    plain = METHODS.get("prompt_tuning")(METHODS.get("prompt_tuning").Params(), bb, seq).eval()
+    with torch.no_grad(), plain.zero_shot():
+        pretrained = plain(batch).per_sample
+    cls = METHODS.get(name)
+    torch.manual_seed(0)
+    m = cls(cls.Params(**params), bb, seq).eval()
+    with torch.no_grad():
+        assert torch.equal(m(batch).per_sample, pretrained)
+    opt = torch.optim.Adam(m.trainable_parameters(), lr=0.01)
+    for _ in range(3):
+        opt.zero_grad()
+        terms = m(batch)
+        (terms.per_sample.mean() + (terms.regularizer if terms.regularizer is not None else 0)).backward()
+        opt.step()
+    with torch.no_grad():
+        trained = m(batch).per_sample
+    assert not torch.allclose(trained, pretrained)
+    torch.manual_seed(1)  # a different initialisation: the loaded state must replace all of it
+    again = cls(cls.Params(**params), bb, seq).eval()
+    again.load_state_dict(m.state_dict())
+    with torch.no_grad():
+        assert torch.equal(again(batch).per_sample, trained)
+    if name == "olora":
+        again.set_task(1)
+        mine = {id(p) for p in again.trainable_parameters()}
+        assert mine == {id(p) for n, p in again.named_parameters() if n.endswith(".task1")}
+        assert all(p.requires_grad == (id(p) in mine) for p in again.parameters())
+        terms = again(batch)  # with gradients: the regulariser of task 1's pair against task 0's
+        assert terms.logs["orthogonal_loss"] > 0 and terms.logs["l2_loss"] > 0
+        assert torch.equal(terms.per_sample.detach(), trained)  # task 1's B is still zero
+
+
 def test_every_shipped_config_validates():
     from mcit.config import load_config
 
