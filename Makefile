@@ -53,7 +53,7 @@ data: $(TINY_MCIT) $(TINY_LLAVA)
 demo: data
 	@for c in $(DEMO_CONFIGS); do \
 	  echo "== deepspeed --num_gpus $(NPROC) pipelines/run_task_sequence.py --config $$c"; \
-	  $(RUN) deepspeed --num_gpus $(NPROC) pipelines/run_task_sequence.py --config $$c || exit 1; \
+	  $(RUN) deepspeed --log_level=error --num_gpus $(NPROC) pipelines/run_task_sequence.py --config $$c || exit 1; \
 	done
 	$(BIN)/python -m mcit.report $(foreach c,$(DEMO_CONFIGS),runs/$(basename $(notdir $(c))))
 
@@ -64,7 +64,7 @@ data-cil: $(DIGITS) $(TINY_VIT) $(TINY_CLIP)
 demo-cil: data-cil
 	@for c in $(CIL_CONFIGS); do \
 	  echo "== deepspeed --num_gpus $(NPROC) pipelines/run_task_sequence.py --config $$c"; \
-	  $(RUN) deepspeed --num_gpus $(NPROC) pipelines/run_task_sequence.py --config $$c || exit 1; \
+	  $(RUN) deepspeed --log_level=error --num_gpus $(NPROC) pipelines/run_task_sequence.py --config $$c || exit 1; \
 	done
 	$(BIN)/python -m mcit.report $(foreach c,$(CIL_CONFIGS),runs/$(basename $(notdir $(c))))
 

@@ -26,6 +26,17 @@ from typing import Any
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The entry point; what the libraries print on the way goes to ``logs/evaluate.rank<r>.log``."""
+    from mcit import console
+
+    console.quiet_libraries()
+    try:
+        return _main(argv)
+    finally:
+        console.restore()
+
+
+def _main(argv: list[str] | None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="\n".join(__doc__.splitlines()[1:]))
@@ -115,7 +126,11 @@ def evaluate(plan: Any, ks: list[int], tasks: list[int], *, zero_shot: bool, wri
     from mcit.pipeline import write_metrics
     from mcit.rundir import row_tag
 
-    dist.init()
+    from mcit import console
+
+    console.log_to(plan.run.logs / f"evaluate.rank{os.environ.get('RANK', '0')}.log")
+    with console.stdout_to_log("deepspeed"):  # its op builds print to stdout on every rank
+        dist.init()
     run = plan.run
     host = MethodHost(plan)
     host.build()

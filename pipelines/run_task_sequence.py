@@ -44,6 +44,19 @@ def _unexpected(e: BaseException, run_root: Path | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The entry point; what the libraries print on the way goes to the run's rank log (mcit.console)."""
+    from mcit import console
+
+    console.quiet_libraries()
+    try:
+        return _main(argv)
+    finally:
+        console.restore()
+
+
+def _main(argv: list[str] | None) -> int:
+    from mcit import console
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", required=True, help="YAML run config")
     ap.add_argument("--run-dir", default=None, help="run directory (default runs/<config name>)")
@@ -88,7 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     from mcit.engine import NonFiniteError
     from mcit.pipeline import CollectiveError
 
-    dist.init(timeout_s=cfg.train.collective_timeout_s)
+    console.log_to(plan.run.logs / f"rank{os.environ.get('RANK', '0')}.log")
+    with console.stdout_to_log("deepspeed"):  # its op builds print to stdout on every rank
+        dist.init(timeout_s=cfg.train.collective_timeout_s)
     lock = plan.run.lock
     holder = lock.acquire() if dist.is_main() else None
     if not dist.all_ok(holder is None):

@@ -4,6 +4,7 @@ test_zero_projection.py)."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +23,21 @@ def z3_run(mcit_assets, tmp_path_factory):
     cfg = mcit_config(mcit_assets, tmp, "z3", train={"deepspeed_config": "deepspeed_configs/zero3.json"})
     r = launch(["--config", str(cfg)], launcher="deepspeed", nproc=2)
     assert r.returncode == 0, r.stderr[-3000:]
+    (tmp / "console.txt").write_text(r.stdout + r.stderr)
     return tmp
+
+
+def test_the_console_shows_the_run_and_the_libraries_talk_to_the_rank_logs(z3_run):
+    """No library warning, log record or build message on the console (the launcher's own lines aside:
+    `make demo` silences those with --log_level=error); they are in logs/rank<r>.log."""
+    lines = [ln for ln in (z3_run / "console.txt").read_text().replace("\r", "\n").splitlines() if ln.strip()]
+    ours = [ln for ln in lines if not re.match(r"\[[-0-9: ,]+\] \[(INFO|WARNING)\] \[(launch|runner)\.py", ln)]
+    noisy = [ln for ln in ours if re.search(r"Warning|warn\(|built successfully|Failed to load|Loading weights|^\s+\w+\(", ln)]
+    assert not noisy, noisy
+    assert any("task 1 (count) committed" in ln for ln in ours)
+    logs = {r: (z3_run / "runs" / "z3" / "logs" / f"rank{r}.log").read_text() for r in (0, 1)}
+    for text in logs.values():
+        assert "built successfully" in text  # DeepSpeed's CPU communication op, printed at start-up on every rank
 
 
 def test_two_process_zero3_sequence_of_the_tiny_llava(z3_run):
