@@ -90,6 +90,17 @@ def stdout_to_log(name: str) -> Iterator[None]:
                     logging.getLogger(name).info(line)
 
 
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """``quiet_libraries`` for the body of an entry point, undone after it (entry points also run
+    in-process, from tests)."""
+    quiet_libraries()
+    try:
+        yield
+    finally:
+        restore()
+
+
 def restore() -> None:
     """Undo ``quiet_libraries`` (tests that run the entry point in-process)."""
     if "buffer" not in _state:

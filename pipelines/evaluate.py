@@ -29,11 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     """The entry point; what the libraries print on the way goes to ``logs/evaluate.rank<r>.log``."""
     from mcit import console
 
-    console.quiet_libraries()
-    try:
+    with console.quiet():
         return _main(argv)
-    finally:
-        console.restore()
 
 
 def _main(argv: list[str] | None) -> int:

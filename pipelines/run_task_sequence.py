@@ -47,11 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     """The entry point; what the libraries print on the way goes to the run's rank log (mcit.console)."""
     from mcit import console
 
-    console.quiet_libraries()
-    try:
+    with console.quiet():
         return _main(argv)
-    finally:
-        console.restore()
 
 
 def _main(argv: list[str] | None) -> int:

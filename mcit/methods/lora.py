@@ -76,6 +76,18 @@ def lora_layers(lm: nn.Module, targets: Targets, r: int, alpha: float, method: s
     return layers
 
 
+def install(layers: dict[str, nn.Module], build) -> nn.ModuleDict:
+    """Put ``build(layer, kw) -> (A, B)`` into each peft layer's ``lora_A`` / ``lora_B`` slot (``kw``: the
+    layer's device, float32) and return them as the method's ``{name: {"A", "B"}}`` submodules, which
+    DeepSpeed trains, shards and checkpoints."""
+    adapters = nn.ModuleDict()
+    for name, m in layers.items():
+        a, b = build(m, {"device": m.get_base_layer().weight.device, "dtype": torch.float32})
+        m.lora_A["default"], m.lora_B["default"] = a, b
+        adapters[name.replace(".", "__")] = nn.ModuleDict({"A": a, "B": b})
+    return adapters
+
+
 class DropoutLinear(nn.Linear):
     """A bias-free LoRA A matrix that applies the method's dropout to its input first (state: ``weight``)."""
 
@@ -102,16 +114,16 @@ class Lora(InstructionMethod):
     def __init__(self, params: LoraParams, backbone: nn.Module, sequence: TaskSequence) -> None:
         super().__init__(params, backbone, sequence)
         self._check_backbone()
-        self.adapters = nn.ModuleDict()
         layers = lora_layers(backbone.language_model, params.target_modules, params.r, params.alpha, self.name)
-        for name, m in layers.items():
-            kw = {"device": m.get_base_layer().weight.device, "dtype": torch.float32}
-            a = DropoutLinear(m.in_features, params.r, params.dropout, **kw)
-            b = nn.Linear(params.r, m.out_features, bias=False, **kw)
-            nn.init.kaiming_uniform_(a.weight, a=math.sqrt(5))  # peft's own initialisation
-            nn.init.zeros_(b.weight)
-            m.lora_A["default"], m.lora_B["default"] = a, b
-            self.adapters[name.replace(".", "__")] = nn.ModuleDict({"A": a, "B": b})
+        self.adapters = install(layers, self._pair)
+
+    def _pair(self, m: nn.Module, kw: dict) -> tuple[nn.Module, nn.Module]:
+        p = self.params
+        a = DropoutLinear(m.in_features, p.r, p.dropout, **kw)
+        b = nn.Linear(p.r, m.out_features, bias=False, **kw)
+        nn.init.kaiming_uniform_(a.weight, a=math.sqrt(5))  # peft's own initialisation
+        nn.init.zeros_(b.weight)
+        return a, b
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.adapters.parameters()]

@@ -28,7 +28,7 @@ from torch import nn
 from mcit.data.types import TaskSequence
 from mcit.methods.base import MethodParams
 from mcit.methods.instruction import InstructionMethod
-from mcit.methods.lora import Targets, lora_layers
+from mcit.methods.lora import Targets, install, lora_layers
 from mcit.registry import METHODS
 
 
@@ -76,16 +76,16 @@ class MoeLora(InstructionMethod):
     def __init__(self, params: MoeLoraParams, backbone: nn.Module, sequence: TaskSequence) -> None:
         super().__init__(params, backbone, sequence)
         self._check_backbone()
-        self.adapters = nn.ModuleDict()
         # peft's dropout slot is the identity: the router reads the input before the experts' dropout
         layers = lora_layers(backbone.language_model, params.target_modules, params.r, params.alpha, self.name)
-        for name, m in layers.items():
-            kw = {"device": m.get_base_layer().weight.device, "dtype": torch.float32}
-            a = _RoutedExperts(m.in_features, params.r, params.experts, params.dropout, **kw)
-            b = nn.Linear(params.r, m.out_features, bias=False, **kw)
-            nn.init.zeros_(b.weight)
-            m.lora_A["default"], m.lora_B["default"] = a, b
-            self.adapters[name.replace(".", "__")] = nn.ModuleDict({"A": a, "B": b})
+        self.adapters = install(layers, self._pair)
+
+    def _pair(self, m: nn.Module, kw: dict) -> tuple[nn.Module, nn.Module]:
+        p = self.params
+        a = _RoutedExperts(m.in_features, p.r, p.experts, p.dropout, **kw)
+        b = nn.Linear(p.r, m.out_features, bias=False, **kw)
+        nn.init.zeros_(b.weight)
+        return a, b
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return list(self.adapters.parameters())

@@ -27,7 +27,7 @@ from torch import nn
 from mcit.data.types import Batch, TaskSequence
 from mcit.methods.base import LossTerms, MethodParams
 from mcit.methods.instruction import InstructionMethod
-from mcit.methods.lora import Targets, lora_layers
+from mcit.methods.lora import Targets, install, lora_layers
 from mcit.registry import METHODS
 
 
@@ -84,21 +84,16 @@ class OLora(InstructionMethod):
     def __init__(self, params: OLoraParams, backbone: nn.Module, sequence: TaskSequence) -> None:
         super().__init__(params, backbone, sequence)
         self._check_backbone()
-        self.adapters = nn.ModuleDict()
         layers = lora_layers(backbone.language_model, params.target_modules, params.r, params.alpha, self.name)
-        T, r = len(sequence), params.r
-        for name, m in layers.items():
-            kw = {"device": m.get_base_layer().weight.device, "dtype": torch.float32}
-            a_blocks, b_blocks = [], []
-            for _ in range(T):
-                a = torch.empty(r, m.in_features, **kw)
-                nn.init.kaiming_uniform_(a, a=math.sqrt(5))  # loranew_A as the official update_layer
-                a_blocks.append(a)
-                b_blocks.append(torch.zeros(m.out_features, r, **kw))
-            stack_a, stack_b = _TaskStack(a_blocks, 0, params.dropout), _TaskStack(b_blocks, 1)
-            m.lora_A["default"], m.lora_B["default"] = stack_a, stack_b
-            self.adapters[name.replace(".", "__")] = nn.ModuleDict({"A": stack_a, "B": stack_b})
+        self.adapters = install(layers, self._stacks)
         self.set_task(0)
+
+    def _stacks(self, m: nn.Module, kw: dict) -> tuple[nn.Module, nn.Module]:
+        """Every task's pair for one layer: A kaiming-uniform (the official loranew_A init), B zero."""
+        T, r = len(self.sequence), self.params.r
+        a_blocks = [nn.init.kaiming_uniform_(torch.empty(r, m.in_features, **kw), a=math.sqrt(5)) for _ in range(T)]
+        b_blocks = [torch.zeros(m.out_features, r, **kw) for _ in range(T)]
+        return _TaskStack(a_blocks, 0, self.params.dropout), _TaskStack(b_blocks, 1)
 
     def set_task(self, task: int) -> None:
         """Only task ``task``'s pair trains; the earlier ones are the frozen ``lora_A/B``."""
