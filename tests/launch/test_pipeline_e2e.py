@@ -232,19 +232,24 @@ def _row(run_dir: Path, tag: str) -> list[float]:
     return json.loads((run_dir / "eval" / "evaluate" / f"{tag}.json").read_text())["acc"]
 
 
+def _training_state(run_dir: Path) -> dict[str, str]:
+    """The run directory without what evaluate.py writes itself (its rows and its own appended logs)."""
+    return {k: v for k, v in snapshot(run_dir).items() if not k.startswith(("eval/evaluate/", "logs/evaluate."))}
+
+
 def test_evaluate_reproduces_the_stored_rows_on_another_world_size(reference_run):
     """The exports of a 2-process run, evaluated by 1 process (another batch size) and by 2 processes,
     give the run's accuracy-matrix rows exactly, and the training state is not touched."""
     _, run_dir, _ = reference_run
     m = json.loads((run_dir / "metrics.json").read_text())
-    before = {k: v for k, v in snapshot(run_dir).items() if not k.startswith("eval/evaluate")}
+    before = _training_state(run_dir)
     res = launch(["--run", str(run_dir), "--task-checkpoint", "all", "--zero-shot", "--batch-size", "7"],
                  entry=EVALUATE)
     assert res.returncode == 0, res.stderr[-3000:]
     assert [_row(run_dir, f"after_task_{k}") for k in range(3)] == m["acc_matrix"]
     assert _row(run_dir, "zero_shot") == m["zero_shot"]
     assert "evaluated on 1 process" in res.stdout
-    assert {k: v for k, v in snapshot(run_dir).items() if not k.startswith("eval/evaluate")} == before
+    assert _training_state(run_dir) == before
     res = launch(["--run", str(run_dir), "--task-checkpoint", "1", "--tasks", "task0", "task2"], entry=EVALUATE,
                  launcher="deepspeed", nproc=2)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -479,12 +484,14 @@ def test_one_live_launch_per_run_dir_and_a_killed_one_leaves_no_lock(assets, wor
     ref = json.loads((ref_dir / "metrics.json").read_text())["acc_matrix"]
     cfg = tiny_config(assets, work, "locked")
     run_dir = work / "runs" / "locked"
-    first = _start(cfg, MCIT_TEST_PAUSE="0:2:45")  # a slow first run: 45 s asleep after task 0 step 2
+    release = work / "locked.release"
+    first = _start(cfg, MCIT_TEST_PAUSE=f"0:2:120:{release}")  # asleep after task 0 step 2 until released
     _wait_for(run_dir / "logs" / "train.jsonl")
     holder = json.loads((run_dir / "run.lock").read_text())
     t0 = time.time()
     second = launch(["--config", str(cfg)], launcher="deepspeed", nproc=2)
     took = time.time() - t0
+    release.touch()
     out, err = first.communicate(timeout=600)
     assert second.returncode == 2, second.stderr[-2000:]
     line = [ln for ln in second.stderr.splitlines() if ln.startswith("error:")]

@@ -15,8 +15,8 @@ once (the first micro-batch of that step), through the test-only seam ``mcit.eng
     MCIT_TEST_WRITE_FAIL=relative/path[:ERRNO]  makes the first write of a file whose path ends with
     ``relative/path`` fail with OSError(ERRNO) (default ENOSPC), through ``mcit.checkpoint.on_write``.
 
-    MCIT_TEST_PAUSE=task:step:seconds  sleeps on every rank after that optimizer step (a slow run, results
-    unchanged).
+    MCIT_TEST_PAUSE=task:step:seconds[:release_file]  sleeps on every rank after that optimizer step (a slow
+    run, results unchanged), at most ``seconds``, ending early once ``release_file`` exists.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def install_nonfinite(spec: str) -> None:
 
 
 def install_pause(spec: str) -> None:
-    task, step, seconds = spec.split(":")
+    task, step, seconds, *release = spec.split(":", 3)
     import time
 
     from mcit.engine import on_optimizer_step
@@ -77,7 +77,9 @@ def install_pause(spec: str) -> None:
     @on_optimizer_step
     def pause(t: int, gstep: int, engine: object) -> None:
         if (t, gstep) == (int(task), int(step)):
-            time.sleep(float(seconds))
+            end = time.time() + float(seconds)
+            while time.time() < end and not (release and Path(release[0]).exists()):
+                time.sleep(0.2)
 
 
 def install_write_fail(spec: str) -> None:
