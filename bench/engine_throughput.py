@@ -160,4 +160,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from mcit.distributed import exit_process
+
+    exit_process(main())

@@ -147,4 +147,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from mcit.distributed import exit_process
+
+    exit_process(main())

@@ -174,4 +174,6 @@ def time_generation(method, model, batch, new_tokens: int, vocab: int, rounds: i
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from mcit.distributed import exit_process
+
+    exit_process(main())

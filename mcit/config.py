@@ -104,6 +104,16 @@ class DataConfig(_Strict):
     eval_transform: str = Field("none", description="the preset whose evaluation pipeline test images go through")
     reference: str | None = Field(
         None, description="a split of the backbone's pre-training data (for methods that need a pre-trained subspace)")
+    schedule: Literal["sequential", "joint"] = Field(
+        "sequential", description="sequential: the tasks one after another (continual learning); joint: one training "
+                                  "stage on every task's training data together, then one evaluation of every task "
+                                  "(the multi-task upper bound: an accuracy matrix of one row, no forgetting or "
+                                  "forward transfer)")
+    validation: float = Field(
+        0.0, ge=0.0, lt=1.0, description="carve this fraction of each task's training split (by a hash of each "
+                                          "sample's key) as its validation split: training uses the rest and every "
+                                          "evaluation runs on the validation parts instead of the test splits, so a "
+                                          "sweep selects settings without seeing the test split; 0: off")
 
     @field_validator("tasks")
     @classmethod

@@ -222,6 +222,28 @@ def agree(err: BaseException | None, peer_message: str) -> None:
         raise PeerFailed(peer_message)
 
 
+def exit_process(code: int | None) -> None:
+    """End a launched rank's process with ``code`` now, without the interpreter's finalization.
+
+    Even after ``shutdown`` (barrier, then destroy_process_group), objects that DeepSpeed and the engines
+    still hold keep gloo's C++ groups alive until the interpreter tears down; their worker threads then
+    meet a finalizing interpreter and the process dies in C++ ("terminate called without an active
+    exception", SIGABRT) after its work is done and committed -- seen in CI on 2-rank runs under load, and
+    a job scheduler would report the run as failed. Everything the run owns is closed by then (loader
+    workers, the run lock, files written atomically), so only the streams and log handlers are flushed.
+    Entry points' ``__main__`` only: tests call ``main()`` in-process.
+    """
+    import logging
+
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    logging.shutdown()
+    os._exit(int(code or 0))
+
+
 def shutdown() -> None:
     """Tear the group down once every rank got here (the success path).
 

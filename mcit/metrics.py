@@ -53,14 +53,24 @@ def compute(acc: list[list[float]], counts: list[int], zero_shot: list[float] | 
     return out
 
 
-def format_matrix(tasks: list[str], acc: list[list[float]], zero_shot: list[float] | None = None) -> str:
-    """Plain-text table: rows = after training task t, columns = evaluated task i."""
+def compute_joint(row: list[float], counts: list[int]) -> dict[str, Any]:
+    """The multi-task bound's metrics: one row after training on every task at once, so only its averages; the
+    sequence metrics (incremental accuracy, forgetting, BWT, forward transfer) do not exist for it."""
+    a, n = np.asarray(row, dtype=float), np.asarray(counts, dtype=float)
+    return {"final_avg_acc": float((a * n).sum() / n.sum()), "final_avg_acc_task_mean": float(a.mean()),
+            "avg_incremental_acc": None, "avg_incremental_acc_sample_weighted": None, "forgetting": None,
+            "forgetting_mammoth": None, "bwt": None, "fwd": None}
+
+
+def format_matrix(tasks: list[str], acc: list[list[float]], zero_shot: list[float] | None = None,
+                  rows: list[str] | None = None) -> str:
+    """Plain-text table: rows = after training task t (``rows``, default ``tasks``), columns = evaluated task i."""
     w = max(8, max(len(t) for t in tasks) + 1)
     lines = ["after \\ on".ljust(12) + "".join(t.rjust(w) for t in tasks)]
     if zero_shot is not None:
         lines.append("zero-shot".ljust(12) + "".join(f"{v:{w}.2f}" for v in zero_shot))
     for t, row in enumerate(acc):
-        lines.append(tasks[t].ljust(12) + "".join(f"{v:{w}.2f}" for v in row))
+        lines.append((rows or tasks)[t].ljust(12) + "".join(f"{v:{w}.2f}" for v in row))
     return "\n".join(lines)
 
 
@@ -69,7 +79,7 @@ def format_summary(m: dict[str, Any]) -> str:
     return "  ".join(f"{k}={m[k]:.2f}" if m.get(k) is not None else f"{k}=n/a" for k in keys)
 
 
-def heatmap(path: Path, tasks: list[str], acc: list[list[float]], title: str) -> None:
+def heatmap(path: Path, tasks: list[str], acc: list[list[float]], title: str, rows: list[str] | None = None) -> None:
     """PNG heatmap of the accuracy matrix (matplotlib, non-interactive backend)."""
     import matplotlib
 
@@ -77,10 +87,10 @@ def heatmap(path: Path, tasks: list[str], acc: list[list[float]], title: str) ->
     import matplotlib.pyplot as plt
 
     a = np.asarray(acc, dtype=float)
-    fig, ax = plt.subplots(figsize=(1.2 + 0.8 * len(tasks), 1.0 + 0.7 * len(tasks)))
+    fig, ax = plt.subplots(figsize=(1.2 + 0.8 * len(tasks), 1.6 + 0.7 * a.shape[0]))
     im = ax.imshow(a, vmin=0, vmax=100, cmap="viridis")
     ax.set_xticks(range(len(tasks)), tasks, rotation=45, ha="right")
-    ax.set_yticks(range(len(tasks)), [f"after {t}" for t in tasks])
+    ax.set_yticks(range(a.shape[0]), [f"after {t}" for t in (rows or tasks)[: a.shape[0]]])
     ax.set_xlabel("evaluated on")
     for t in range(a.shape[0]):
         for i in range(a.shape[1]):
@@ -101,15 +111,16 @@ def heatmap(path: Path, tasks: list[str], acc: list[list[float]], title: str) ->
 
 def report_markdown(name: str, method: str, backbone: str, tasks: list[str], counts: list[int],
                     acc: list[list[float]], zero_shot: list[float] | None, m: dict[str, Any],
-                    backbone_sha256: str | None = None, heatmap_file: str = "acc_matrix.png") -> str:
+                    backbone_sha256: str | None = None, heatmap_file: str = "acc_matrix.png",
+                    rows: list[str] | None = None) -> str:
     head = "| after \\ on | " + " | ".join(tasks) + " |\n|---|" + "---|" * len(tasks) + "\n"
-    rows = ""
+    table = ""
     if zero_shot is not None:
-        rows += "| zero-shot | " + " | ".join(f"{v:.2f}" for v in zero_shot) + " |\n"
+        table += "| zero-shot | " + " | ".join(f"{v:.2f}" for v in zero_shot) + " |\n"
     for t, row in enumerate(acc):
-        rows += f"| {tasks[t]} | " + " | ".join(f"{v:.2f}" for v in row) + " |\n"
+        table += f"| {(rows or tasks)[t]} | " + " | ".join(f"{v:.2f}" for v in row) + " |\n"
     metric_rows = "".join(f"| {k} | {'n/a' if v is None else f'{v:.2f}'} |\n" for k, v in m.items())
     sha = f" (sha256 `{backbone_sha256[:16]}`)" if backbone_sha256 else ""
     return (f"# {name}\n\nmethod: `{method}` · backbone: `{backbone}`{sha} · test samples per task: {counts}\n\n"
-            f"## Accuracy matrix (%)\n\n{head}{rows}\n![accuracy matrix]({heatmap_file})\n\n"
+            f"## Accuracy matrix (%)\n\n{head}{table}\n![accuracy matrix]({heatmap_file})\n\n"
             f"## Metrics\n\n| metric | value |\n|---|---|\n{metric_rows}")

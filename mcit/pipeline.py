@@ -55,7 +55,7 @@ def stage_keys(plan: Plan) -> list[str]:
     phases = METHODS.get(plan.cfg.method.name).phases
     per_task = [f"{s}.{p}" if p else s for p in phases for s in STAGES[:2]] + list(STAGES[2:])
     return ((["reference"] if plan.reference is not None else []) + (["zero_shot"] if plan.cfg.eval.zero_shot else [])
-            + [f"{t}/{s}" for t in range(len(plan.names)) for s in per_task])
+            + [f"{t}/{s}" for t in range(plan.num_stages) for s in per_task])
 
 
 class Pipeline:
@@ -143,9 +143,9 @@ class Pipeline:
         def write() -> None:
             state = self.host.method.state_dict()
             save_state(self.run_dir.task_state(t), state,
-                       {"task": t, "task_name": self.plan.names[t], "method": self.cfg.method.name})
+                       {"task": t, "task_name": self.plan.stage_names[t], "method": self.cfg.method.name})
             write_json(self.run_dir.task_info(t), {
-                "task": t, "task_name": self.plan.names[t], "method": self.cfg.method.name,
+                "task": t, "task_name": self.plan.stage_names[t], "method": self.cfg.method.name,
                 "method_params": self.cfg.method.params().model_dump(), "backbone": self.plan.backbone_records(),
                 "tensors": {k: list(v.shape) for k, v in state.items()}})
             write_metrics(self.plan, done=t + 1)
@@ -194,8 +194,9 @@ class Pipeline:
                 raise
             if stage == "commit" and dist.is_main():
                 acc, _, _ = rows(self.plan, int(t) + 1)
-                self._say(f"task {t} ({self.plan.names[int(t)]}) committed: acc on seen tasks "
-                          + " ".join(f"{a:.1f}" for a in acc[-1][: int(t) + 1]))
+                seen = len(self.plan.names) if self.cfg.data.schedule == "joint" else int(t) + 1
+                self._say(f"task {t} ({self.plan.stage_names[int(t)]}) committed: acc on seen tasks "
+                          + " ".join(f"{a:.1f}" for a in acc[-1][:seen]))
         dist.on_main(lambda: write_json(rd.state, {**self.state, "finished": True}))
         self.state["finished"] = True
         if self.logger:
@@ -218,13 +219,16 @@ def write_metrics(plan: Plan, done: int) -> dict[str, Any]:
     """metrics.json from the first ``done`` rows; once every task is done also the heatmap and report.md."""
     cfg, rd = plan.cfg, plan.run
     acc, zs, counts = rows(plan, done)
-    T = len(plan.names)
-    sub = [row[:done] for row in acc]
-    m = M.compute(sub, counts[:done], zs[:done] if zs else None)
+    T = plan.num_stages
+    if cfg.data.schedule == "joint":  # one row after training on every task at once
+        m = M.compute_joint(acc[0], counts)
+    else:
+        m = M.compute([row[:done] for row in acc], counts[:done], zs[:done] if zs else None)
     first_loss = [read_json(rd.row(t)).get("first_task_loss") for t in range(done)]
     record = plan.backbone.record
     out = {"name": cfg.name, "method": cfg.method.name, "backbone": cfg.backbone.tag,
-           "tasks": plan.names, "scorers": plan.scorers, "test_counts": counts, "acc_unit": "percent",
+           "tasks": plan.names, "schedule": cfg.data.schedule, "rows": plan.stage_names[:done],
+           "evaluated_on": "validation" if cfg.data.validation else "test", "scorers": plan.scorers, "test_counts": counts, "acc_unit": "percent",
            "complete": done == T, "tasks_done": done, "acc_matrix": acc, "zero_shot": zs,
            "first_task_loss": first_loss, "seed": cfg.seed, "meta": cfg.meta,
            "backbone_sha256": record.get("sha256"), "backbone_format": record.get("format"), **m}
@@ -233,15 +237,16 @@ def write_metrics(plan: Plan, done: int) -> dict[str, Any]:
                                       for name, aux in plan.auxiliary.items()}
     write_json(rd.metrics, out)
     if done == T:
-        M.heatmap(rd.heatmap, plan.names, acc, f"{cfg.name} ({cfg.method.name})")
+        M.heatmap(rd.heatmap, plan.names, acc, f"{cfg.name} ({cfg.method.name})", rows=plan.stage_names)
         atomic_write_text(rd.report, M.report_markdown(cfg.name, cfg.method.name, cfg.backbone.tag, plan.names, counts, acc,
-                                               zs, m, out["backbone_sha256"], heatmap_file=rd.heatmap.name))
+                                               zs, m, out["backbone_sha256"], heatmap_file=rd.heatmap.name,
+                                               rows=plan.stage_names))
     return out
 
 
 def summary_text(metrics: dict[str, Any], run_dir: Any) -> str:
     lines = [f"== {metrics['name']} · method {metrics['method']} · {run_dir} ==",
              "accuracy matrix (%), rows: after training task t; columns: task i",
-             M.format_matrix(metrics["tasks"], metrics["acc_matrix"], metrics.get("zero_shot")),
+             M.format_matrix(metrics["tasks"], metrics["acc_matrix"], metrics.get("zero_shot"), metrics.get("rows")),
              M.format_summary(metrics)]
     return "\n".join(lines)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from mcit.config import ConfigError, RunConfig
-from mcit.data.shards import Split, open_split
+from mcit.data.shards import Split, carve, open_split, union
 from mcit.locations import absolute
 from mcit.data.types import TaskSequence
 from mcit.models.base import BackboneError, backbone_class
@@ -46,6 +46,15 @@ class Plan:
     auxiliary: dict[str, ResolvedBackbone] = field(default_factory=dict)  # the method's, by name
     scorers: list[str] | None = None  # instruction tasks: the scorer of each task
     reference: Split | None = None  # data.reference, when the method needs it
+    stage_names: list[str] = field(default_factory=list)  # the training tasks: ``names``, or ["joint"]
+
+    def __post_init__(self) -> None:
+        self.stage_names = self.stage_names or list(self.names)
+
+    @property
+    def num_stages(self) -> int:
+        """Training tasks (accuracy-matrix rows): one per task, or one for ``data.schedule: joint``."""
+        return len(self.train)
 
     @property
     def run_dir(self) -> Path:
@@ -181,7 +190,7 @@ def preflight(cfg: RunConfig, base: Path | None = None, *, run_dir: Path | None 
     method_cls = METHODS.get(cfg.method.name)
     try:
         method_cls.check_inputs(cfg.method.params())
-        cfg.method.params().check_against(backbone_depth(backbone), len(specs))
+        cfg.method.params().check_against(backbone_depth(backbone), 1 if cfg.data.schedule == "joint" else len(specs))
     except ValueError as e:
         raise ConfigError(str(e)) from None
     auxiliary = _resolve_auxiliary(cfg, method_cls)
@@ -195,13 +204,17 @@ def preflight(cfg: RunConfig, base: Path | None = None, *, run_dir: Path | None 
         extra = set(te.label_space) - set(tr.label_space)
         if extra:
             raise ConfigError(f"data.tasks: task {s.name!r}: test labels {sorted(extra)} do not occur in its train split")
-    names = [s.name for s in specs]
+    names = stage_names = [s.name for s in specs]
     class_names = {int(k): v for tr in train for k, v in (tr.manifest.get("class_names") or {}).items()}
-    sequence = TaskSequence.from_label_spaces(names, [tr.label_space for tr in train], class_names)
+    if cfg.data.validation:  # model selection: evaluate on a part of the training data, train on the rest
+        train, test = map(list, zip(*(carve(tr, cfg.data.validation) for tr in train)))
+    if cfg.data.schedule == "joint":
+        train, stage_names = [union(train, "joint(" + "+".join(names) + ")")], ["joint"]
+    sequence = TaskSequence.from_label_spaces(stage_names, [tr.label_space for tr in train], class_names)
     run = RunDir(run_dir if run_dir is not None else cfg.resolved_run_dir())
     if run_dir is None:  # a training run: its directory must be new or hold this exact config
         run.check_belongs_to(cfg)
-    plan = Plan(cfg, run, names, train, test, sequence, backbone, auxiliary, scorers, reference)
+    plan = Plan(cfg, run, names, train, test, sequence, backbone, auxiliary, scorers, reference, stage_names)
     check_same_backbones(plan)
     return plan
 

@@ -158,7 +158,7 @@ def evaluate(plan: Any, ks: list[int], tasks: list[int], *, zero_shot: bool, wri
         for tag, acc in results:
             print(f"{tag:<14}" + " ".join(f"{a:>{max(width, 7)}.2f}" for a in acc))
         if write_rows:
-            done = run.rows_done(len(plan.names))
+            done = run.rows_done(plan.num_stages)
             if done:
                 print(M.format_summary(write_metrics(plan, done)))
     from mcit.data.loader import shutdown_workers
@@ -170,4 +170,6 @@ def evaluate(plan: Any, ks: list[int], tasks: list[int], *, zero_shot: bool, wri
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without install
-    raise SystemExit(main())
+    from mcit.distributed import exit_process
+
+    exit_process(main())

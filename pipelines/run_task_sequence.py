@@ -146,4 +146,6 @@ def _main(argv: list[str] | None) -> int:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without install
-    raise SystemExit(main())
+    from mcit.distributed import exit_process
+
+    exit_process(main())

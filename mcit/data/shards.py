@@ -200,6 +200,81 @@ def open_split(location: str | Path, verify: str = "size") -> Split:
     return split
 
 
+@dataclass(frozen=True)
+class DerivedSplit(Split):
+    """A split read through other splits' shards: shard ``i`` is shard ``sources[i][1]`` of ``sources[i][0]``,
+    and with ``side`` only the samples of that side of the validation carve (``carve``). Built by ``union``
+    and ``carve``; readers see an ordinary split (its manifest counts what it yields)."""
+
+    sources: tuple[tuple[Split, int], ...] = ()
+    side: str | None = None  # "fit" | "validation" | None (every sample)
+    fraction: float = 0.0
+
+    @property
+    def shard_locations(self) -> list[str]:
+        return [split.shard_locations[i] for split, i in self.sources]
+
+    def shard_samples(self, index: int) -> Iterator[dict]:
+        split, i = self.sources[index]
+        for sample in split.shard_samples(i):
+            if self.side is None or (validation_side(sample["__key__"], self.fraction) == (self.side == "validation")):
+                yield sample
+
+
+def validation_side(key: str, fraction: float) -> bool:
+    """Whether sample ``key`` falls in the validation part of a carve of ``fraction``: a hash of the key alone,
+    so the carve is the same on every rank, for any shard layout and in every run of a sweep."""
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") < fraction * 2 ** 64
+
+
+def _sample_label(sample: dict) -> int | None:
+    raw = sample.get("cls")
+    return int(raw.decode() if isinstance(raw, bytes) else raw) if raw is not None else None
+
+
+def carve(split: Split, fraction: float) -> tuple[Split, Split]:
+    """(fit, validation): ``split`` divided by ``validation_side`` of each sample's key, for model selection on
+    data the test split never sees. Reads every shard once (keys and labels only are kept) to count each side;
+    a side left empty is an error naming the split."""
+    counts = {"fit": [], "validation": []}
+    labels: dict[str, set[int]] = {"fit": set(), "validation": set()}
+    for i in range(len(split.shard_locations)):
+        n = {"fit": 0, "validation": 0}
+        for sample in split.shard_samples(i):
+            side = "validation" if validation_side(sample["__key__"], fraction) else "fit"
+            n[side] += 1
+            label = _sample_label(sample)
+            if label is not None:
+                labels[side].add(label)
+        for side in n:
+            counts[side].append(n[side])
+    out = []
+    for side in ("fit", "validation"):
+        if sum(counts[side]) == 0:
+            raise DataError(f"{split.location}: a validation carve of {fraction:g} leaves its {side} part empty "
+                            f"({split.num_samples} samples)")
+        keep = [i for i, c in enumerate(counts[side]) if c]
+        shards = [{**split.manifest["shards"][i], "num_samples": counts[side][i]} for i in keep]
+        manifest = {**split.manifest, "num_samples": sum(counts[side]), "shards": shards,
+                    "label_space": sorted(labels[side]) if labels[side] else split.manifest["label_space"]}
+        out.append(DerivedSplit(f"{split.location} ({side} part of a {fraction:g} carve)", manifest,
+                                tuple((split, i) for i in keep), side, fraction))
+    return out[0], out[1]
+
+
+def union(splits: list[Split], name: str) -> Split:
+    """Several splits read as one (the multi-task bound trains on every task's data together; the loader's
+    shard-order and buffer shuffle mix them)."""
+    sources = tuple((sp, i) for sp in splits for i in range(len(sp.shard_locations)))
+    kinds = {sp.manifest.get("kind") for sp in splits}
+    manifest = {**splits[0].manifest, "kind": kinds.pop() if len(kinds) == 1 else None,
+                "num_samples": sum(sp.num_samples for sp in splits),
+                "label_space": sorted({int(c) for sp in splits for c in sp.label_space}),
+                "class_names": {k: v for sp in splits for k, v in (sp.manifest.get("class_names") or {}).items()},
+                "shards": [sp.manifest["shards"][i] for sp, i in sources]}
+    return DerivedSplit(name, manifest, sources)
+
+
 def _http_size(url: str, manifest: str) -> int | None:
     """The size an http(s) server reports for ``url`` (None when it reports none), asked with curl as
     webdataset's reader will fetch it; DataError when the server has no such file."""

@@ -629,3 +629,20 @@ def test_batch_to_keeps_the_allowed_classes():
     b = Batch(torch.zeros(2, 3, 4, 4), torch.tensor([0, 2]), torch.ones(2), 0, ["a", "b"], allowed)
     moved = b.to(torch.device("cpu"))
     assert moved.allowed_classes is not None and torch.equal(moved.allowed_classes, allowed)
+
+
+def test_joint_schedule_and_validation_carve_plan_one_stage_on_every_tasks_fit_part(mcit_assets, tmp_path):
+    from mcit.config import load_config
+    from mcit.pipeline import stage_keys
+    from mcit.preflight import preflight
+
+    path = mcit_config(mcit_assets, tmp_path)
+    seq = preflight(load_config(path))
+    plan = preflight(load_config(path, ["data.schedule=joint", "data.validation=0.25"]))
+    assert plan.num_stages == 1 and plan.stage_names == ["joint"] and plan.names == ["colour", "count"]
+    assert [k for k in stage_keys(plan) if k.startswith("1/")] == [] and "0/commit" in stage_keys(plan)
+    # the one training stage reads every task's fit part; evaluation reads the carved-off validation parts
+    assert plan.train[0].num_samples + sum(t.num_samples for t in plan.test) == sum(t.num_samples for t in seq.train)
+    assert all(0 < t.num_samples < s.num_samples for t, s in zip(plan.test, seq.train))
+    assert {t.location for t in plan.test}.isdisjoint({t.location for t in seq.test})
+    assert seq.num_stages == 2 and seq.stage_names == seq.names

@@ -66,3 +66,11 @@ def test_forgetting_maximum_starts_at_the_learned_row_and_stops_before_the_last(
     m = M.compute(acc, [10, 10, 10])
     assert m["forgetting"] == pytest.approx(5.0)
     assert m["forgetting_mammoth"] == pytest.approx(10.0)
+
+
+def test_joint_metrics_weight_by_test_counts_and_leave_the_sequence_metrics_undefined():
+    m = M.compute_joint([90.0, 50.0], [300, 100])
+    assert m["final_avg_acc"] == pytest.approx(80.0) and m["final_avg_acc_task_mean"] == pytest.approx(70.0)
+    assert all(m[k] is None for k in ("forgetting", "bwt", "fwd", "avg_incremental_acc"))
+    text = M.format_matrix(["a", "b"], [[90.0, 50.0]], rows=["joint"])
+    assert text.splitlines()[1].startswith("joint") and "n/a" in M.format_summary(m)

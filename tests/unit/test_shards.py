@@ -211,3 +211,35 @@ def test_written_shards_are_byte_identical_and_the_manifest_keeps_class_names(tm
     empty = write_split(tmp_path / "e", [], shard_size=5, label_space=[0])
     assert [s["num_samples"] for s in empty["shards"]] == [0]
     assert list(iter_samples(open_split(tmp_path / "e", verify="sha256"), 0, 1)) == []
+
+
+def test_validation_carve_is_disjoint_complete_deterministic_and_counted(split):
+    from mcit.data.shards import carve
+
+    fit, val = carve(split, 0.2)
+    keys = lambda sp, r=0, w=1: [s["__key__"] for s in iter_samples(sp, r, w)]  # noqa: E731
+    fk, vk = keys(fit), keys(val)
+    assert not set(fk) & set(vk) and sorted(fk + vk) == [f"s{i:04d}" for i in range(103)]
+    assert 10 <= len(vk) <= 32  # about a fifth, by the hash of the key
+    # each side's manifest counts exactly what it yields, shard by shard (the loader's step count reads it)
+    for sp, ks in ((fit, fk), (val, vk)):
+        assert sp.num_samples == len(ks) and sum(sp.shard_counts) == len(ks)
+        assert [sum(1 for _ in sp.shard_samples(i)) for i in range(len(sp.shard_locations))] == sp.shard_counts
+        assert sorted(keys(sp, 0, 2) + keys(sp, 1, 2)) == sorted(ks)  # ranks still split it disjointly
+    assert (fk, vk) == (keys(carve(split, 0.2)[0]), keys(carve(split, 0.2)[1]))  # the same carve every time
+    assert set(keys(carve(split, 0.4)[1])) > set(vk)  # a larger fraction only adds samples to validation
+    with pytest.raises(DataError, match="validation part empty"):
+        carve(split, 1e-9)
+
+
+def test_union_reads_every_splits_samples_once(tmp_path):
+    from mcit.data.shards import union
+
+    write_split(tmp_path / "a", _samples(25), shard_size=10, label_space=[0, 1, 2])
+    write_split(tmp_path / "b", [{**s, "__key__": "b" + s["__key__"], "cls": 3} for s in _samples(12)],
+                shard_size=5, label_space=[3])
+    a, b = open_split(tmp_path / "a"), open_split(tmp_path / "b")
+    u = union([a, b], "a+b")
+    assert u.num_samples == 37 and u.label_space == [0, 1, 2, 3] and len(u.shard_locations) == 6
+    got = [s["__key__"] for r in range(2) for s in iter_samples(u, r, 2, shuffle_seed=3)]
+    assert sorted(got) == sorted([f"s{i:04d}" for i in range(25)] + [f"bs{i:04d}" for i in range(12)])

@@ -68,3 +68,6 @@ def main(backbone: str, shards: str, out: str, zero2: str, zero3: str) -> None:
 
 if __name__ == "__main__":
     main(*[a for a in sys.argv[1:] if not a.startswith("--local_rank")])
+    from mcit.distributed import exit_process
+
+    exit_process(0)

@@ -29,3 +29,6 @@ def main(out: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[-1])
+    from mcit.distributed import exit_process
+
+    exit_process(0)

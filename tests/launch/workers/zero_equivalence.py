@@ -111,3 +111,6 @@ def main(out: str, *configs: str) -> None:
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
     main(*[a for a in sys.argv[1:] if not a.startswith("--local_rank")])
+    from mcit.distributed import exit_process
+
+    exit_process(0)
