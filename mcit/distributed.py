@@ -229,18 +229,22 @@ def exit_process(code: int | None) -> None:
     still hold keep gloo's C++ groups alive until the interpreter tears down; their worker threads then
     meet a finalizing interpreter and the process dies in C++ ("terminate called without an active
     exception", SIGABRT) after its work is done and committed -- seen in CI on 2-rank runs under load, and
-    a job scheduler would report the run as failed. Everything the run owns is closed by then (loader
-    workers, the run lock, files written atomically), so only the streams and log handlers are flushed.
-    Entry points' ``__main__`` only: tests call ``main()`` in-process.
+    a job scheduler would report the run as failed. The Python-level exit work still runs (``atexit``:
+    multiprocessing's temporary directories and children, weakref finalizers, logging's flush); only the
+    C-level teardown is skipped. Entry points' ``__main__`` only: tests call ``main()`` in-process.
     """
-    import logging
+    import atexit
 
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    logging.shutdown()
+    def flush() -> None:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+
+    flush()
+    atexit._run_exitfuncs()  # noqa: SLF001 - the documented-by-use way to run them before os._exit
+    flush()
     os._exit(int(code or 0))
 
 

@@ -354,3 +354,4 @@ def test_bad_input_stops_in_one_line_naming_the_culprit(case, assets, work, fini
     for text in bad.also:
         assert text in res.stderr, shown
     assert (snapshot(done), snapshot(open_dir)) == before
+    print(f"CASE {case} (exit {res.returncode}): {errors[0]}")  # `pytest -rP ... | grep CASE`: the note's list

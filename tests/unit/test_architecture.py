@@ -19,7 +19,7 @@ ROOMS: list[tuple[str, tuple[str, ...]]] = [
     ("models", ("mcit.models",)),
     ("methods", ("mcit.methods",)),
     ("running", ("mcit.engine", "mcit.evaluation", "mcit.preflight", "mcit.lifecycle")),
-    ("entry", ("mcit.pipeline", "mcit.sweep", "mcit.report")),
+    ("entry", ("mcit.pipeline", "mcit.sweep", "mcit.report", "mcit.study")),
 ]
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import yaml
 
-from conftest import sweep_spec
+from conftest import ROOT, sweep_spec
 from mcit import sweep as S
 from mcit.config import ConfigError
 
@@ -72,3 +72,19 @@ def test_bad_specs_fail_in_one_line_before_any_run(assets, tmp_path):
     assert not (tmp_path / "sweep").exists()
 
 
+
+
+def test_study_rule_takes_the_best_validation_setting_unless_the_gap_is_inside_the_seed_noise(tmp_path):
+    import shutil
+
+    from mcit.study import select
+
+    shutil.copy(ROOT / "configs" / "tiny_mcit_lora.yaml", tmp_path / "lora.yaml")  # its own lr: 0.002
+
+    def row(lr, mean, std):
+        return {"config": "lora", "setting": {"train.lr": lr}, "metrics": {"final_avg_acc": {"mean": mean, "std": std}}}
+
+    own, near, far = row(0.002, 60.0, 2.0), row(0.006, 61.5, 1.0), row(0.0007, 70.0, 1.0)
+    assert select([near, own], tmp_path)["lora"] is own  # 1.5 points better, inside a 2-point spread
+    assert select([near, own, far], tmp_path)["lora"] is far  # 10 points better: the rule moves the default
+    assert select([row(0.006, 65.0, 1.0), own], tmp_path)["lora"]["setting"] == {"train.lr": 0.006}
