@@ -8,6 +8,7 @@ DEMO_CONFIGS ?= configs/tiny_mcit_prompt_tuning.yaml configs/tiny_mcit_fwd_promp
                 configs/tiny_mcit_olora.yaml configs/tiny_mcit_moelora.yaml configs/tiny_mcit_multitask.yaml
 CIL_METHODS  ?= seq l2p l2p_pgp dualprompt dualprompt_pgp coda_prompt hide_prompt norga vpt_nsp2 soft_tf soft_tf_gradient_id soft_tf_gradient_id_batch l2p_soft_tf clip_zero_shot vpt_nsp2_clip star_prompt
 CIL_CONFIGS  ?= $(foreach m,$(CIL_METHODS),configs/digits_$(m).yaml)
+DATA_ENV := DS_ACCELERATOR=cpu
 RUN := PATH=$(abspath $(BIN)):$$PATH DS_ACCELERATOR=cpu CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1
 
 .PHONY: install data data-cil demo demo-cil study-cil study-mcit sweep-demo test test-unit mutate bench clean clean-data
@@ -16,8 +17,8 @@ install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
-	$(BIN)/pip install -q --disable-pip-version-check -e ".[test]" torch==2.13.0
+	$(BIN)/pip install -qq --disable-pip-version-check torch==2.13.0
+	$(BIN)/pip install -qq --disable-pip-version-check -e ".[test]" torch==2.13.0
 	touch $@
 
 # Data and backbones are file targets: each is rebuilt only when the code that determines its bytes is newer
@@ -30,20 +31,20 @@ TINY_MCIT  := data/shards/tiny_mcit/benchmark.json
 TINY_LLAVA := data/backbones/tiny_llava/pretraining.json
 
 $(DIGITS): data_prep/digits.py mcit/data/shards.py | $(VENV)/.installed
-	$(BIN)/python -m data_prep.digits --out $(@D) --force
+	$(DATA_ENV) $(BIN)/python -m data_prep.digits --out $(@D) --force
 
 $(TINY_VIT): data_prep/pretrain_vit.py mcit/data/procedural.py | $(VENV)/.installed
-	$(BIN)/python -m data_prep.pretrain_vit --out $(@D) --force
+	$(DATA_ENV) $(BIN)/python -m data_prep.pretrain_vit --out $(@D) --force
 
 $(TINY_CLIP): data_prep/pretrain_clip.py mcit/data/procedural.py | $(VENV)/.installed
-	$(BIN)/python -m data_prep.pretrain_clip --out $(@D) --force
+	$(DATA_ENV) $(BIN)/python -m data_prep.pretrain_clip --out $(@D) --force
 
 $(TINY_MCIT): data_prep/tiny_mcit.py mcit/data/tiny_mcit.py mcit/data/instructions.py mcit/data/shards.py | $(VENV)/.installed
-	$(BIN)/python -m data_prep.tiny_mcit --out $(@D) --force
+	$(DATA_ENV) $(BIN)/python -m data_prep.tiny_mcit --out $(@D) --force
 
 $(TINY_LLAVA): data_prep/pretrain_tiny_llava.py mcit/models/tiny_llava.py mcit/models/mllm.py mcit/data/tiny_mcit.py \
                $(TINY_MCIT) | $(VENV)/.installed
-	$(BIN)/python -m data_prep.pretrain_tiny_llava --shards $(dir $(TINY_MCIT)) --out $(@D) --force
+	$(DATA_ENV) $(BIN)/python -m data_prep.pretrain_tiny_llava --shards $(dir $(TINY_MCIT)) --out $(@D) --force
 
 # The embedded MCIT benchmark's shards and the project's own instruction-tuned tiny LLaVA.
 data: $(TINY_MCIT) $(TINY_LLAVA)
@@ -106,7 +107,7 @@ test: install
 # Mutation testing of the core modules against the in-process tests (settings: [tool.mutmut] in pyproject.toml).
 # Not part of `make test`: it runs those tests once per mutant. Survivors: `$(BIN)/mutmut results`.
 mutate: install
-	$(BIN)/pip install -q --disable-pip-version-check -e ".[mutate]" torch==2.13.0
+	$(BIN)/pip install -qq --disable-pip-version-check -e ".[mutate]" torch==2.13.0
 	rm -rf mutants/.test-cache  # results stay: a stopped run resumes, changed code is mutated again
 	$(RUN) MCIT_TEST_CACHE=$(abspath mutants/.test-cache) $(BIN)/mutmut run; $(BIN)/mutmut results
 

@@ -107,6 +107,9 @@ def pretrain(shards: Path, out: Path, *, epochs: int = 6, batch_size: int = 32, 
             "vision_attribute_val_acc": vision_acc,
             "parameters": sum(p.numel() for p in model.parameters()), "seconds": time.time() - t0}
     tmp = staging_dir(out)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a "Writing model shards" bar for one tiny file says nothing
     model.save_pretrained(tmp)
     processor.save_pretrained(tmp)
     publish_dir(tmp, out, files={SETTINGS_FILE: json.dumps(info, indent=1)})
