@@ -108,6 +108,7 @@ if __name__ == "__main__":
         install(os.environ["MCIT_TEST_FAULT"])
     if os.environ.get("MCIT_TEST_NONFINITE"):
         install_nonfinite(os.environ["MCIT_TEST_NONFINITE"])
+    from mcit.distributed import exit_process
     from pipelines.run_task_sequence import main
 
-    raise SystemExit(main())
+    exit_process(main())  # as pipelines/run_task_sequence.py ends
