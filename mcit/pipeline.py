@@ -228,7 +228,8 @@ def write_metrics(plan: Plan, done: int) -> dict[str, Any]:
     record = plan.backbone.record
     out = {"name": cfg.name, "method": cfg.method.name, "backbone": cfg.backbone.tag,
            "tasks": plan.names, "schedule": cfg.data.schedule, "rows": plan.stage_names[:done],
-           "evaluated_on": "validation" if cfg.data.validation else "test", "scorers": plan.scorers, "test_counts": counts, "acc_unit": "percent",
+           "evaluated_on": "validation" if cfg.data.validation else "test", "scorers": plan.scorers,
+           "test_counts": counts, "acc_unit": "percent",
            "complete": done == T, "tasks_done": done, "acc_matrix": acc, "zero_shot": zs,
            "first_task_loss": first_loss, "seed": cfg.seed, "meta": cfg.meta,
            "backbone_sha256": record.get("sha256"), "backbone_format": record.get("format"), **m}

@@ -235,7 +235,9 @@ def _sample_label(sample: dict) -> int | None:
 def carve(split: Split, fraction: float) -> tuple[Split, Split]:
     """(fit, validation): ``split`` divided by ``validation_side`` of each sample's key, for model selection on
     data the test split never sees. Reads every shard once (keys and labels only are kept) to count each side;
-    a side left empty is an error naming the split."""
+    a side left empty is an error naming the split. That read happens at pre-flight, so on a large training
+    split (millions of samples) the carve costs one pass over its shards before the run starts: meant for
+    selection studies on benchmark-sized data."""
     counts = {"fit": [], "validation": []}
     labels: dict[str, set[int]] = {"fit": set(), "validation": set()}
     for i in range(len(split.shard_locations)):
