@@ -74,3 +74,34 @@ def test_joint_metrics_weight_by_test_counts_and_leave_the_sequence_metrics_unde
     assert all(m[k] is None for k in ("forgetting", "bwt", "fwd", "avg_incremental_acc"))
     text = M.format_matrix(["a", "b"], [[90.0, 50.0]], rows=["joint"])
     assert text.splitlines()[1].startswith("joint") and "n/a" in M.format_summary(m)
+
+
+def test_joint_metrics_have_every_key_the_sequence_metrics_have():
+    joint, seq = M.compute_joint([90.0, 50.0], [3, 1]), M.compute([[90.0, 10.0], [80.0, 50.0]], [3, 1])
+    assert set(joint) == set(seq)  # a table over both kinds of run reads the same keys
+
+
+def test_text_tables_are_pinned_character_for_character():
+    """The console summary, the matrix table and report.md are what users read and scripts grep."""
+    m = {"final_avg_acc": 70.0, "final_avg_acc_task_mean": 65.125, "avg_incremental_acc": None, "forgetting": 10.0,
+         "bwt": -10.0, "fwd": 1.5}
+    assert M.format_summary(m) == ("final_avg_acc=70.00  final_avg_acc_task_mean=65.12  avg_incremental_acc=n/a  "
+                                   "forgetting=10.00  bwt=-10.00  fwd=1.50")
+    assert M.format_matrix(["colour", "count"], [[99.0, 1.0], [89.0, 75.5]], [90.5, 1.0]) == (
+        "after \\ on    colour   count\n"
+        "zero-shot      90.50    1.00\n"
+        "colour         99.00    1.00\n"
+        "count          89.00   75.50")
+    assert M.format_matrix(["a", "b"], [[1.0, 2.0]], rows=["joint"]).splitlines()[1] == "joint           1.00    2.00"
+    report = M.report_markdown("run", "lora", "tiny", ["a", "b"], [3, 1], [[90.0, 10.0], [80.0, 50.0]], [85.0, 5.0],
+                               {"final_avg_acc": 72.5, "bwt": None}, "0123456789abcdef0123", heatmap_file="h.png")
+    assert report == (
+        "# run\n\nmethod: `lora` · backbone: `tiny` (sha256 `0123456789abcdef`) · test samples per task: [3, 1]\n\n"
+        "## Accuracy matrix (%)\n\n| after \\ on | a | b |\n|---|---|---|\n| zero-shot | 85.00 | 5.00 |\n"
+        "| a | 90.00 | 10.00 |\n| b | 80.00 | 50.00 |\n\n![accuracy matrix](h.png)\n\n"
+        "## Metrics\n\n| metric | value |\n|---|---|\n| final_avg_acc | 72.50 |\n| bwt | n/a |\n")
+
+
+def test_a_non_square_matrix_is_refused_by_name():
+    with pytest.raises(ValueError, match="square"):
+        M.compute([[1.0, 2.0]], [1, 1])
