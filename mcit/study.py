@@ -24,7 +24,9 @@ from typing import Any
 import numpy as np
 
 from mcit.checkpoint import atomic_write_text
+from mcit import metrics as M
 from mcit.config import load_config
+from mcit.sweep import cell, save_figure
 
 ROOT = Path(__file__).resolve().parent.parent
 COLUMNS = ["final_avg_acc", "plasticity", "forgetting", "bwt", "fwd"]
@@ -35,12 +37,6 @@ def load(sweep_dir: Path) -> dict[str, Any]:
     if not path.is_file():
         raise SystemExit(f"error: {path} not found (has the sweep run and aggregated?)")
     return json.loads(path.read_text())
-
-
-def plasticity(group: dict[str, Any]) -> float | None:
-    """Mean diagonal of the mean accuracy matrix (None for a one-row matrix: the multi-task bound)."""
-    acc = np.asarray(group.get("acc_matrix_mean") or [[]], dtype=float)
-    return float(np.diag(acc).mean()) if acc.shape[0] > 1 and acc.shape[0] == acc.shape[1] else None
 
 
 def plasticity_values(group: dict[str, Any], sweep_dir: Path) -> list[float]:
@@ -104,19 +100,13 @@ def select(rows: list[dict[str, Any]], configs_dir: Path) -> dict[str, dict[str,
     return chosen
 
 
-def _cell(m: dict[str, Any]) -> str:
-    if m.get("mean") is None:
-        return "n/a"
-    return f"{m['mean']:.2f} ± {m['std']:.2f}" if m.get("std") is not None else f"{m['mean']:.2f}"
-
-
 def table(rows: list[dict[str, Any]], chosen: dict[str, dict[str, Any]] | None = None) -> str:
     head = "| config | setting | n | " + " | ".join(COLUMNS) + " |\n|---|---|---|" + "---|" * len(COLUMNS) + "\n"
     body = ""
     for r in rows:
         mark = " **(chosen)**" if chosen and chosen.get(r["config"]) is r else ""
         body += (f"| {r['config'].removeprefix('tiny_mcit_')} | {r['label']}{mark} | {r['n']} | "
-                 + " | ".join(_cell(r["metrics"][k]) for k in COLUMNS) + " |\n")
+                 + " | ".join(cell(r["metrics"][k]) for k in COLUMNS) + " |\n")
     return head + body
 
 
@@ -126,8 +116,7 @@ def zero_shot_row(final: Path) -> dict[str, Any] | None:
     for m in sorted((final / "runs").glob("*/metrics.json")):
         d = json.loads(m.read_text())
         if d.get("zero_shot") and d.get("schedule", "sequential") == "sequential":
-            n = np.asarray(d["test_counts"], dtype=float)
-            vals.append(float((np.asarray(d["zero_shot"]) * n).sum() / n.sum()))
+            vals.append(M.compute_joint(d["zero_shot"], d["test_counts"])["final_avg_acc"])
     if not vals:
         return None
     return {"config": "zero_shot", "label": "pre-trained backbone", "n": len(vals), "metrics": {
@@ -157,7 +146,7 @@ def figures(selection: list[dict[str, Any]], final: list[dict[str, Any]], out: P
             ax.set_yticks(range(a.shape[0]), [f"after {t}" for t in r["tasks"]], fontsize=7)
         fig.suptitle("accuracy matrices (%), test split, mean over seeds")
         fig.tight_layout()
-        made.append(_save(fig, out / "mcit_study_matrices.png"))
+        made.append(_saved(fig, out / "mcit_study_matrices.png"))
 
     fp = [r for r in selection if r["method"] == "fwd_prompt"]
     eps_keys = ("method.eps_task", "method.eps_pretrained")
@@ -180,7 +169,7 @@ def figures(selection: list[dict[str, Any]], final: list[dict[str, Any]], out: P
         axes[0].legend(fontsize=8)
         fig.suptitle("Fwd-Prompt: subspace energy against plasticity and forgetting (mean ± std, 3 seeds)")
         fig.tight_layout()
-        made.append(_save(fig, out / "mcit_study_eps.png"))
+        made.append(_saved(fig, out / "mcit_study_eps.png"))
 
     pts = [r for r in selection if r["metrics"]["plasticity"]["mean"] is not None]
     if pts:  # forgetting against plasticity, every selection point
@@ -203,18 +192,13 @@ def figures(selection: list[dict[str, Any]], final: list[dict[str, Any]], out: P
         ax.legend(fontsize=8)
         ax.set_title("forgetting vs plasticity, validation carve, mean ± std over 3 seeds")
         fig.tight_layout()
-        made.append(_save(fig, out / "mcit_study_plasticity_forgetting.png"))
+        made.append(_saved(fig, out / "mcit_study_plasticity_forgetting.png"))
     return made
 
 
-def _save(fig: Any, path: Path) -> Path:
-    import matplotlib.pyplot as plt
-
+def _saved(fig: Any, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(path)
+    save_figure(fig, path)
     return path
 
 

@@ -541,7 +541,8 @@ def aggregate(spec: SweepSpec, points: list[Point]) -> dict[str, Any]:
             "points": per_point}
 
 
-def _cell(m: dict[str, Any]) -> str:
+def cell(m: dict[str, Any]) -> str:
+    """A table cell: mean ± std, the mean alone without a std, n/a without runs."""
     if m["mean"] is None:
         return "n/a"
     return f"{m['mean']:.2f} ± {m['std']:.2f}" if m["std"] is not None else f"{m['mean']:.2f}"
@@ -555,7 +556,7 @@ def markdown(agg: dict[str, Any]) -> str:
         + (" (different checkpoints!)" if len(g.get("backbone_sha256", [])) > 1 else "")
         + f" | {g['setting_label']} | {g['n']}"
         + (f" ({g['n_failed']} failed)" if g["n_failed"] else "") + " | "
-        + " | ".join(_cell(g["metrics"][k]) for k in TABLE_METRICS) + " |\n" for g in agg["groups"])
+        + " | ".join(cell(g["metrics"][k]) for k in TABLE_METRICS) + " |\n" for g in agg["groups"])
     text = f"# Sweep {agg['sweep']}\n\nmean ± {agg['std']} over seeds x task orders; accuracy in %.\n\n{head}{body}"
     if agg["failed"]:
         text += "\n## Points that did not finish\n\n| point | reason | log |\n|---|---|---|\n" + "".join(
@@ -588,7 +589,8 @@ def write_tables(spec: SweepSpec, agg: dict[str, Any]) -> list[Path]:
 # --------------------------------------------------------------------------------------------------
 # Figures
 
-def _save(fig, path: Path) -> None:
+def save_figure(fig, path: Path) -> None:
+    """Write a matplotlib figure atomically (temp file + rename) and close it."""
     import matplotlib.pyplot as plt
 
     tmp = path.with_name(f".{path.name}.tmp.png")
@@ -633,7 +635,7 @@ def figures(spec: SweepSpec, agg: dict[str, Any]) -> list[Path]:
         fig.suptitle(f"{agg['sweep']}: mean ± std over seeds x orders")
         fig.tight_layout()
         path = out / f"curve_{_slug(key.removeprefix('method.'))}.png"
-        _save(fig, path)
+        save_figure(fig, path)
         made.append(path)
     if groups:
         n = len(groups)
@@ -657,7 +659,7 @@ def figures(spec: SweepSpec, agg: dict[str, Any]) -> list[Path]:
         fig.suptitle("accuracy of each task (by position in the sequence) across the sequence, mean over runs")
         fig.tight_layout()
         path = out / "task_accuracy.png"
-        _save(fig, path)
+        save_figure(fig, path)
         made.append(path)
     with_loss = [g for g in groups if g.get("first_task_loss")]
     if with_loss:
@@ -677,6 +679,6 @@ def figures(spec: SweepSpec, agg: dict[str, Any]) -> list[Path]:
         ax.legend(fontsize=7)
         fig.tight_layout()
         path = out / "first_task_loss.png"
-        _save(fig, path)
+        save_figure(fig, path)
         made.append(path)
     return made
