@@ -54,3 +54,25 @@ def test_every_autoaugment_op_equals_torchvision_at_its_bins_and_signs():
         if _sha(X.apply_op(wide, c["op"], m, c["interpolation"])) != c["sha256"]:
             bad.append((c["op"], c["bin"], c["sign"], c["interpolation"]))
     assert len(REF["ops"]) == 126 and not bad, bad
+
+
+def test_an_ops_sign_flag_is_the_one_torchvision_draws_a_sign_for():
+    """The fixture holds both signs of exactly the ops torchvision's ``_augmentation_space`` marks signed (for
+    those the two signs give different images); AutoAugment negates only those. Posterize's bits per bin are
+    torchvision's ``8 - (arange(10) / ((10 - 1) / 4)).round()`` (the fixture reaches bins 1, 5, 9 only)."""
+    signs: dict[str, set[int]] = {}
+    for c in REF["ops"]:
+        signs.setdefault(c["op"], set()).add(c["sign"])
+    assert {op: X.magnitudes(op, 64, 40)[1] for op in signs} == {op: s == {-1, 1} for op, s in signs.items()}
+    assert X.magnitudes("Posterize", 64, 40)[0].tolist() == [8, 8, 7, 7, 6, 6, 5, 5, 4, 4]
+
+
+def test_l2p_eval_resizes_only_above_32_pixels_and_autoaugment_needs_a_generator():
+    """l2p-pytorch build_transform(is_train=False): ``resize_im = input_size > 32``, so at 32 an image passes
+    untouched and at 33 it is resized and centre-cropped. A random step without a per-sample generator is an
+    error naming the step (a shared global RNG would break resume)."""
+    big = _images()["big"]
+    assert X.build("l2p", train=False, size=32)(big).size == big.size
+    assert X.build("l2p", train=False, size=33)(big).size == (33, 33)
+    with pytest.raises(ValueError, match="AutoAugment is random and was given no per-sample generator"):
+        X.AutoAugment()(big, None)

@@ -503,6 +503,46 @@ def test_energy_basis_thresholds_are_inclusive_and_count_captured_energy():
     assert energy_basis(iso, 0.99, iso[:, :2]).shape == (4, 2)
 
 
+def test_energy_basis_stays_inside_the_residual_when_round_off_asks_for_more():
+    """eps 1.0 with an existing basis of m directions: the residual's eigenvalues sum to what is needed only up
+    to round-off, so the search may ask for more than the d - m directions the residual has (it does in about
+    a third of these rotations); the cap keeps exactly d - m. A float32 basis (what a checkpoint stores) is
+    orthonormal only to ~1e-7, so the residual's eigenvectors lean on it by that much: the new directions are
+    re-orthogonalised against it, to round-off in float64, even when it has one column."""
+    asked_for_more = 0
+    for seed in range(30):
+        g = torch.Generator().manual_seed(seed)
+        Q, _ = torch.linalg.qr(torch.randn(6, 6, generator=g, dtype=torch.float64))
+        cov = Q @ torch.diag(torch.tensor([5.0, 4.0, 3.0, 2.0, 1.0, 0.5], dtype=torch.float64)) @ Q.T
+        new = energy_basis(cov, 1.0, Q[:, :2])
+        assert new.shape == (6, 4), seed
+        assert torch.allclose(new.T @ new, torch.eye(4, dtype=torch.float64), atol=1e-10)
+        assert (Q[:, :2].T @ new).abs().max() < 1e-10
+    g = torch.Generator().manual_seed(0)
+    for m in (1, 3):
+        Q32, _ = torch.linalg.qr(torch.randn(8, 8, generator=g))
+        A = torch.randn(8, 8, generator=g, dtype=torch.float64)
+        new = energy_basis(A @ A.T, 0.95, Q32[:, :m])
+        assert new.shape[1] > 0 and (Q32[:, :m].double().T @ new).abs().max() < 1e-12, m
+
+
+def test_the_tiny_tokenizer_knows_every_word_the_benchmark_asks_or_answers():
+    """The embedded benchmark's tokenizer is word-level, trained on ``corpus()``: a word missing there (a plural
+    caption such as "three crosses", a question word) becomes <unk>, and the model can never answer it."""
+    from mcit.data import tiny_mcit as B
+    from mcit.models.tiny_llava import SPECIAL, train_tokenizer
+
+    tok = train_tokenizer(B.corpus())
+    unk = tok.convert_tokens_to_ids(SPECIAL["unk"])
+    samples = B.base_mix(300, 0) + [s for t in B.CONTINUAL_TASKS for s in B.task_samples(t, 60, 0, train=False)]
+    texts = {turn["value"].replace("<image>", "") for s in samples for turn in s["conversations"]}
+    assert any("crosses" in t for t in texts) and any("circles" in t for t in texts)  # plurals are asked for
+    chat = tok.apply_chat_template([{"role": "user", "content": "what colour"}], tokenize=False,
+                                   add_generation_prompt=True)  # the template's own words too
+    missing = sorted({t for t in texts | {chat} if unk in tok(t, add_special_tokens=False)["input_ids"]})
+    assert not missing, missing[:5]
+
+
 def test_scorers_at_their_edges():
     """grounding_iou counts IoU >= 0.5 (a box of exactly half the union scores, 0.45 does not); exact_match
     accepts any reference answer, not only the first; a decimal point is kept ("3.5" is neither "3 5"
@@ -562,6 +602,24 @@ def test_answer_normalisation_and_option_letters_at_their_edges():
     assert S.coin_option_letter("so c it is") == "C" and S.coin_option_letter("none of them") == "FAILED"
 
 
+def test_vqa_and_evalai_normalisation_keep_the_official_code_paths():
+    """vqaEval.py's punctuation rule: a mark is deleted outright when the text has it next to a space on
+    either side ("e-mail- yes": "email yes"; "e-mail -yes" too), else it becomes a space ("e-mail" alone:
+    "e mail"); at most 32 full stops go (``re.UNICODE`` passed as the count). Ten identical annotators are
+    compared after only newline/tab clean-up, so "two\tdogs" matches "two dogs". EvalAI's processor drops
+    commas and question marks before that rule, so "a,b" is "ab" (the rule alone would say "a b").
+    ``parse_box`` keeps the first four numbers; an unknown scorer's error lists the known ones."""
+    assert S._vqa_normalise("e-mail- yes") == "email yes" and S._vqa_normalise("e-mail -yes") == "email yes"
+    assert S._vqa_normalise("e-mail") == "e mail"
+    assert S._vqa_normalise("." * 40) == "." * 8
+    ten = {"answers": ["two dogs"] * 10}
+    assert S.vqa_accuracy("two\tdogs", ten) == 1.0 and S.vqa_accuracy("two\ndogs", ten) == 1.0
+    assert [S.evalai_normalise(t) for t in ("a,b", "what?yes")] == ["ab", "whatyes"]
+    assert S.parse_box("[1, 2, 3, 4] (5)") == [1.0, 2.0, 3.0, 4.0]
+    with pytest.raises(KeyError, match=r"unknown scorer 'nope'; known: .*coin_scienceqa, .*exact_match, "):
+        S.get("nope")
+
+
 def test_stream_statistics_sums_every_batch_and_concatenates_rows_in_order():
     """One process, three batches (the middle one yields no statistic): the sums cover every batch, not the
     last; "cat:" rows are concatenated in batch order, not summed; finalize_statistics gets the task; the
@@ -618,6 +676,9 @@ def test_state_digest_sees_every_byte_and_token_covariance_counts_tokens():
     cov, n = token_covariance(x, mask)
     rows = torch.cat([x[0, :3], x[1, :2]]).double()
     assert float(n) == 5.0 and torch.equal(cov, rows.T @ rows)
+    # counts are summed over batches and ranks: past 2^24 tokens (a few thousand LLaVA samples) a float32 count
+    # would stop counting single tokens
+    assert float(n + 2.0 ** 24) == 2 ** 24 + 5
 
 
 def test_batch_to_keeps_the_allowed_classes():

@@ -93,6 +93,9 @@ def test_text_tables_are_pinned_character_for_character():
         "colour         99.00    1.00\n"
         "count          89.00   75.50")
     assert M.format_matrix(["a", "b"], [[1.0, 2.0]], rows=["joint"]).splitlines()[1] == "joint           1.00    2.00"
+    # a task name of 8 characters or more widens every column to its length + 1, so the names stay apart
+    assert M.format_matrix(["ocr_vqa_long", "gqa"], [[1.0, 2.0]]).splitlines() == [
+        "after \\ on   ocr_vqa_long          gqa", "ocr_vqa_long         1.00         2.00"]
     report = M.report_markdown("run", "lora", "tiny", ["a", "b"], [3, 1], [[90.0, 10.0], [80.0, 50.0]], [85.0, 5.0],
                                {"final_avg_acc": 72.5, "bwt": None}, "0123456789abcdef0123", heatmap_file="h.png")
     assert report == (

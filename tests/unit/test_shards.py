@@ -243,3 +243,42 @@ def test_union_reads_every_splits_samples_once(tmp_path):
     assert u.num_samples == 37 and u.label_space == [0, 1, 2, 3] and len(u.shard_locations) == 6
     got = [s["__key__"] for r in range(2) for s in iter_samples(u, r, 2, shuffle_seed=3)]
     assert sorted(got) == sorted([f"s{i:04d}" for i in range(25)] + [f"bs{i:04d}" for i in range(12)])
+
+
+def test_carved_parts_name_their_own_classes_and_say_what_they_are(tmp_path):
+    """Each side of a carve lists the classes its samples hold (a class that lands only on one side is not
+    claimed by the other); a split whose samples carry no label (instruction data) keeps its manifest's label
+    space; each part's location says which part of which carve it is, for error messages."""
+    from mcit.data.shards import carve, validation_side
+
+    keys = [f"k{i:03d}" for i in range(40)]
+    val = {k for k in keys if validation_side(k, 0.5)}
+    assert 0 < len(val) < len(keys)
+    labelled = [{**s, "__key__": k, "cls": 7 if k in val else 5} for s, k in zip(_samples(40), keys)]
+    write_split(tmp_path / "cil", labelled, shard_size=16, label_space=[5, 7])
+    fit, v = carve(open_split(tmp_path / "cil"), 0.5)
+    assert (fit.label_space, v.label_space) == ([5], [7])
+    assert fit.location == f"{tmp_path / 'cil'} (fit part of a 0.5 carve)"
+    assert v.location == f"{tmp_path / 'cil'} (validation part of a 0.5 carve)"
+    unlabelled = [{"__key__": k, "png": s["png"]} for s, k in zip(_samples(40), keys)]
+    write_split(tmp_path / "inst", unlabelled, shard_size=16, label_space=[0])
+    assert [sp.label_space for sp in carve(open_split(tmp_path / "inst"), 0.5)] == [[0], [0]]
+
+
+def test_union_manifest_keeps_kind_merges_class_names_and_is_named(tmp_path):
+    """The joint split of the multi-task bound: its manifest's ``kind`` is the tasks' common kind (None when
+    they differ, so neither collate is assumed), class names from every task, and its location is the name."""
+    from mcit.data.shards import union
+
+    write_split(tmp_path / "a", _samples(4), shard_size=4, label_space=[0, 1, 2], class_names={0: "zero"},
+                extra={"kind": "classification"})
+    write_split(tmp_path / "b", [{**s, "cls": 3} for s in _samples(4)], shard_size=4, label_space=[3],
+                class_names={3: "three"}, extra={"kind": "classification", "task": "b"})
+    write_split(tmp_path / "c", _samples(4), shard_size=4, label_space=[0], extra={"kind": "instruction"})
+    a, b, c = (open_split(tmp_path / n) for n in "abc")
+    u = union([a, b], "joint")
+    assert u.location == "joint" and u.manifest["kind"] == "classification"
+    assert u.manifest["class_names"] == {"0": "zero", "3": "three"}
+    assert "task" not in u.manifest  # the first split's fields, not the second's
+    assert union([b, a], "joint").manifest["task"] == "b"
+    assert union([a, c], "mixed").manifest["kind"] is None
