@@ -142,6 +142,8 @@ def main() -> int:
           f"(median of the per-round paired ratios; target >= 0.9)")
     print(f"ratio pipeline / bare per question = {statistics.median(y / x for x, y in zip(p, s)):.2f}  "
           f"(target >= 5)")
+    print(f"ratio bare batched / bare per question = {statistics.median(y / x for x, y in zip(b, s)):.2f}  "
+          f"(what batching itself gives on this device and model: the pipeline's ceiling against per question)")
     dist.shutdown()
     return 0
 

@@ -89,7 +89,6 @@ def stream_statistics(method: Any, batches: Iterable[Any], task: int) -> dict[st
             else:
                 for k, v in stats.items():
                     sums[k] += v.detach().double().cpu()
-    sums = sums if sums is not None else ({} if rows else None)
     keys = dist.broadcast_object(sorted(sums) if sums is not None else None)
     shapes = dist.broadcast_object({k: tuple(v.shape) for k, v in sums.items()} if sums else None)
     if keys is None:  # no rank produced a statistic: nothing to finalise

@@ -661,6 +661,21 @@ def test_stream_statistics_sums_every_batch_and_concatenates_rows_in_order():
     assert m.task == 4 and m.state["s"].tolist() == [16.0, 29.0]
     assert m.state["rows"][:, 0].tolist() == [0.0, 2.0, 4.0, 10.0]
     assert report == {"dims": 1, "state_sha256_per_rank": [state_digest(m.state)]}
+    # no batch yields a statistic: nothing is finalised and there is no report
+    m = _M()
+    assert stream_statistics(m, [_B(None)], task=1) is None and m.task is None
+    # only "cat:" rows (no summed key): they still reach finalize_statistics
+
+    class _RowsOnly(_M):
+        def statistics(self, b):  # noqa: ANN001, ANN202
+            return {"cat:rows": b.x[:, :1]}
+
+        def finalize_statistics(self, sums, task):  # noqa: ANN001, ANN202
+            self.state, self.task = {"rows": sums["cat:rows"]}, task
+
+    m = _RowsOnly()
+    assert stream_statistics(m, [_B(xs[0]), _B(xs[2])], task=2) is not None
+    assert m.task == 2 and m.state["rows"][:, 0].tolist() == [0.0, 2.0, 4.0, 10.0]
 
 
 def test_state_digest_sees_every_byte_and_token_covariance_counts_tokens():
@@ -690,6 +705,14 @@ def test_batch_to_keeps_the_allowed_classes():
     b = Batch(torch.zeros(2, 3, 4, 4), torch.tensor([0, 2]), torch.ones(2), 0, ["a", "b"], allowed)
     moved = b.to(torch.device("cpu"))
     assert moved.allowed_classes is not None and torch.equal(moved.allowed_classes, allowed)
+    # every tensor goes to the device (the meta device stands in for a GPU) and nothing else is lost
+    full = Batch(torch.zeros(2, 3, 4, 4), torch.tensor([0, 2]), torch.ones(2), 3, ["a", "b"], allowed,
+                 {"input_ids": torch.ones(2, 5, dtype=torch.long)}, [{"answer": "x"}, {"answer": "y"}])
+    for nb in (False, True):
+        m = full.to(torch.device("meta"), non_blocking=nb)
+        tensors = [m.pixel_values, m.labels, m.valid, m.allowed_classes, *m.inputs.values()]
+        assert all(t.device.type == "meta" for t in tensors) and list(m.inputs) == ["input_ids"]
+        assert (m.task, m.keys, m.meta) == (3, ["a", "b"], [{"answer": "x"}, {"answer": "y"}])
 
 
 def test_joint_schedule_and_validation_carve_plan_one_stage_on_every_tasks_fit_part(mcit_assets, tmp_path):
