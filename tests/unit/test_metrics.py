@@ -103,8 +103,42 @@ def test_text_tables_are_pinned_character_for_character():
         "## Accuracy matrix (%)\n\n| after \\ on | a | b |\n|---|---|---|\n| zero-shot | 85.00 | 5.00 |\n"
         "| a | 90.00 | 10.00 |\n| b | 80.00 | 50.00 |\n\n![accuracy matrix](h.png)\n\n"
         "## Metrics\n\n| metric | value |\n|---|---|\n| final_avg_acc | 72.50 |\n| bwt | n/a |\n")
+    bare = M.report_markdown("run", "lora", "tiny", ["a"], [3], [[90.0]], None, {})  # no hash, no zero-shot row
+    assert bare.splitlines()[2] == "method: `lora` · backbone: `tiny` · test samples per task: [3]"
+    assert "| after \\ on | a |\n|---|---|\n| a | 90.00 |\n\n![accuracy matrix](acc_matrix.png)" in bare
 
 
 def test_a_non_square_matrix_is_refused_by_name():
     with pytest.raises(ValueError, match="square"):
         M.compute([[1.0, 2.0]], [1, 1])
+
+
+def test_heatmap_draws_every_cell_on_a_fixed_0_to_100_scale(tmp_path, monkeypatch):
+    """The figure itself, caught before it is closed: colours on a fixed 0-100 scale (so two runs' heatmaps
+    compare; an auto scale would paint a 50% cell as the best), every cell's number in a colour readable on
+    its background, rows "after <task>", columns the evaluated tasks, the title and the colour bar's label;
+    the PNG is written."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    figures, close = [], plt.close
+    monkeypatch.setattr(plt, "close", lambda fig=None: figures.append(fig))
+    path = tmp_path / "m.png"
+    M.heatmap(path, ["a", "b", "c"], [[90.0, 10.0, 0.0], [80.0, 59.5, 60.0]], "my run", rows=["one", "two"])
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (fig,) = figures
+    ax = fig.axes[0]
+    assert (ax.images[0].norm.vmin, ax.images[0].norm.vmax) == (0, 100)
+    assert ax.images[0].get_array().shape == (2, 3)
+    assert [(t.get_text(), t.get_color()) for t in ax.texts] == [
+        ("90", "k"), ("10", "w"), ("0", "w"), ("80", "k"), ("60", "w"), ("60", "k")]  # 59.5 is below 60
+    assert [lb.get_text() for lb in ax.get_yticklabels()] == ["after one", "after two"]
+    assert [lb.get_text() for lb in ax.get_xticklabels()] == ["a", "b", "c"]
+    assert ax.get_xlabel() == "evaluated on" and ax.get_title() == "my run"
+    assert fig.axes[1].get_ylabel() == "accuracy (%)"  # the colour bar
+    close(fig)
+    M.heatmap(path, ["a", "b", "c"], [[90.0, 10.0, 0.0], [80.0, 59.5, 60.0]], "mid-sequence")  # 2 of 3 rows so far
+    assert [lb.get_text() for lb in figures[-1].axes[0].get_yticklabels()] == ["after a", "after b"]
+    close(figures[-1])
