@@ -1,6 +1,9 @@
-"""The train stage's small helpers: the data seed and the rank-0 log."""
+"""The train stage's small helpers: the data seed, the rank-0 log, the step checkpoint commit."""
 
 import json
+from pathlib import Path
+
+import pytest
 
 from mcit.engine import JsonlLogger, data_seed
 
@@ -24,3 +27,42 @@ def test_log_creates_its_folder_and_appends_across_restarts(tmp_path):
     again.log({"task": 0, "loss": 1.25}, step=2)
     assert [json.loads(line)["loss"] for line in path.read_text().splitlines()] == [1.5, 1.25]
     assert again.tb is None and not (tmp_path / "runs").exists()  # no TensorBoard writer without tb_dir
+
+
+class _Engine:
+    """What ``_save_step`` asks of a DeepSpeed engine: ``save_checkpoint`` writes ``<dir>/<tag>/``."""
+
+    def __init__(self, fail: OSError | None = None) -> None:
+        self.fail = fail
+
+    def save_checkpoint(self, save_dir: str, tag: str, save_latest: bool) -> None:
+        if self.fail is not None:
+            raise self.fail
+        assert save_latest is False  # committed.json, written after every rank's part, names the step
+        (Path(save_dir) / tag).mkdir(parents=True)
+        (Path(save_dir) / tag / "mp_rank_00_model_states.pt").write_bytes(b"x")
+
+
+def test_a_step_checkpoint_is_committed_by_name_and_replaces_the_previous_one(tmp_path):
+    """A resume reads committed.json: tag, the epoch and micro-step to start from, the step, the world size.
+    The previous step's directory goes once the new one is committed (a long task would otherwise keep
+    every step's optimizer state on disk); a failed write names the file and commits nothing."""
+    from mcit import distributed as dist
+    from mcit.checkpoint import WriteError
+    from mcit.engine import COMMITTED, TaskTrainer
+
+    dist.init()
+    steps = tmp_path / "steps"
+    trainer = TaskTrainer(None)
+    trainer._save_step(_Engine(), steps, 3, 0, 3, 2)
+    trainer._save_step(_Engine(), steps, 6, 1, 0, 2)
+    assert sorted(p.name for p in steps.iterdir()) == [COMMITTED, "step00000006"]
+    assert json.loads((steps / COMMITTED).read_text()) == {"tag": "step00000006", "epoch": 1, "next_micro_step": 0,
+                                                           "global_step": 6, "world_size": 2}
+    (steps / "step00000006").rename(steps / "old")  # the same step saved again (a preemption at a checkpoint step)
+    trainer._save_step(_Engine(), steps, 6, 1, 0, 2)
+    assert (steps / "step00000006").is_dir()  # not removed as "the previous one"
+    full = OSError(28, "No space left on device", str(steps / "step00000009" / "x.pt"))
+    with pytest.raises(WriteError, match="step00000009/x.pt"):
+        trainer._save_step(_Engine(full), steps, 9, 1, 3, 2)
+    assert json.loads((steps / COMMITTED).read_text())["tag"] == "step00000006"
