@@ -179,6 +179,7 @@ def test_steps_per_epoch_follow_the_largest_rank_and_round_to_grad_accum(tmp_pat
     assert micro_steps_per_epoch(sp, 2, 2, 1, "sample") == 2
     assert micro_steps_per_epoch(sp, 2, 2, 3, "sample") == 3
     assert micro_steps_per_epoch(sp, 2, 1, 2, "sample") == 4  # 3 steps rounded up to 2 x 2
+    assert micro_steps_per_epoch(sp, 2, 8, 1, "sample") == 1  # smaller than one batch: one step, not more
 
 
 def test_manifest_whose_count_disagrees_with_its_shards_is_refused(split):
@@ -282,3 +283,27 @@ def test_union_manifest_keeps_kind_merges_class_names_and_is_named(tmp_path):
     assert "task" not in u.manifest  # the first split's fields, not the second's
     assert union([b, a], "joint").manifest["task"] == "b"
     assert union([a, c], "mixed").manifest["kind"] is None
+
+
+def test_padding_copies_the_batch_s_own_rows_at_zero_weight_and_concat_keeps_the_batch_fields():
+    """A short batch is filled with its own rows (an instruction batch's token length differs from the
+    template's, so the template's rows would not even fit), weight 0; a batch of padding only has no keys;
+    concatenation keeps the task and the allowed classes."""
+    import torch
+
+    from mcit.data.loader import _pad
+    from mcit.data.types import Batch
+
+    def batch(n, length, task=1):
+        return Batch(torch.arange(n, dtype=torch.float32).reshape(n, 1), torch.arange(n), torch.ones(n), task,
+                     [f"k{i}" for i in range(n)], torch.tensor([True, False]),
+                     {"input_ids": torch.full((n, length), 7)}, [{"i": i} for i in range(n)])
+
+    template = batch(3, 9)
+    one = _pad(batch(1, 5), template, 4)
+    assert one.valid.tolist() == [1.0, 0.0, 0.0, 0.0] and one.keys[0] == "k0" and one.inputs["input_ids"].shape == (4, 5)
+    assert one.task == 1 and torch.equal(one.allowed_classes, torch.tensor([True, False]))
+    two = _pad(batch(2, 5), template, 3)
+    assert two.labels.tolist() == [0, 1, 0] and two.meta == [{"i": 0}, {"i": 1}, {"i": 0}]
+    empty = _pad(None, template, 2)
+    assert empty.valid.tolist() == [0.0, 0.0] and empty.keys == [] and empty.inputs["input_ids"].shape == (2, 9)
