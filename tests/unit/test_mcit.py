@@ -713,6 +713,9 @@ def test_batch_to_keeps_the_allowed_classes():
         tensors = [m.pixel_values, m.labels, m.valid, m.allowed_classes, *m.inputs.values()]
         assert all(t.device.type == "meta" for t in tensors) and list(m.inputs) == ["input_ids"]
         assert (m.task, m.keys, m.meta) == (3, ["a", "b"], [{"answer": "x"}, {"answer": "y"}])
+    picked = full.select(torch.tensor([1, 1]))  # rows of a batch (what padding copies) keep every field
+    assert (picked.task, picked.keys, picked.meta) == (3, ["b", "b"], [{"answer": "y"}, {"answer": "y"}])
+    assert torch.equal(picked.allowed_classes, allowed) and picked.labels.tolist() == [2, 2]
 
 
 def test_joint_schedule_and_validation_carve_plan_one_stage_on_every_tasks_fit_part(mcit_assets, tmp_path):
