@@ -445,12 +445,12 @@ class TaskTrainer:
                     nxt_epoch, nxt = (epoch, s + 1) if s + 1 < steps_epoch else (epoch + 1, 0)
                     saved = gstep % t.checkpoint_every == 0 and gstep < total_opt_steps
                     if saved:
-                        self._save_step(engine, step_dir, gstep, nxt_epoch, nxt, world)
+                        self.save_step(engine, step_dir, gstep, nxt_epoch, nxt, world)
                     for callback in _step_callbacks:
                         callback(task, gstep, engine)
                     if preemption.agreed(self.preempt_request):
                         if not saved:
-                            self._save_step(engine, step_dir, gstep, nxt_epoch, nxt, world)
+                            self.save_step(engine, step_dir, gstep, nxt_epoch, nxt, world)
                         if bar is not None:
                             bar.close()
                         raise preemption.Preempted(f"task {task}, optimizer step {gstep} (step checkpoint committed)")
@@ -462,7 +462,7 @@ class TaskTrainer:
         del engine
         return state
 
-    def _save_step(self, engine: Any, step_dir: Path, gstep: int, epoch: int, next_micro: int, world: int) -> None:
+    def save_step(self, engine: Any, step_dir: Path, gstep: int, epoch: int, next_micro: int, world: int) -> None:
         """Every rank writes its part of the DeepSpeed checkpoint; once all parts are there (agreed by one
         all-reduce, so a rank whose disk is full stops every rank at once), rank 0 names it in
         ``committed.json``, the step a resume starts from, and drops the previous one."""

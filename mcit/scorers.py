@@ -58,8 +58,8 @@ def vqa_accuracy(pred: str, ref: dict[str, Any]) -> float:
     answers = [_vqa_clean(a) for a in ref.get("answers") or [ref["answer"]]]
     p = _vqa_clean(pred)
     if len(answers) == 1 or len(set(answers)) > 1:
-        answers = [_vqa_normalise(a) for a in answers]
-        p = _vqa_normalise(p)
+        answers = [vqa_normalise(a) for a in answers]
+        p = vqa_normalise(p)
     if len(answers) == 1:
         return float(p == answers[0])
     return _soft_score(p, answers)
@@ -81,7 +81,7 @@ _VQA_COMMA_STRIP = re.compile(r"(\d)(\,)(\d)")
 _VQA_PERIOD_STRIP = re.compile(r"(?!<=\d)(\.)(?!\d)")
 
 
-def _vqa_normalise(text: str) -> str:
+def vqa_normalise(text: str) -> str:
     r"""vqaEval.py's processPunctuation + processDigitArticle: punctuation deleted outright when the text has
     a space beside it or a digit comma digit, else replaced by a space; full stops not before a digit
     deleted; lower case, number words to digits, articles dropped, contractions restored. Two quirks of
@@ -253,9 +253,9 @@ def coin_gqa(pred: str, ref: dict[str, Any]) -> float:
 def evalai_normalise(text: str) -> str:
     """The m4c evaluator's EvalAIAnswerProcessor (CoIN's m4c_evaluator.py, from facebookresearch/mmf):
     lower case, commas and question marks dropped, "'s" split off, then the VQA evaluation's
-    normalisation (``_vqa_normalise``; its digit-comma-digit rule never fires here, the commas being gone)."""
+    normalisation (``vqa_normalise``; its digit-comma-digit rule never fires here, the commas being gone)."""
     t = text.lower().replace(",", "").replace("?", "").replace("'s", " 's").strip()
-    return _vqa_normalise(_vqa_clean(t))
+    return vqa_normalise(_vqa_clean(t))
 
 
 @register("coin_textvqa")

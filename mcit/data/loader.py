@@ -191,7 +191,7 @@ class _Collating(torch.utils.data.Dataset):
             batch = collate(work.samples, seed=work.seed) if work.samples else None
             if work.pad_to and (batch is None or len(batch) < work.pad_to):
                 template = batch if batch is not None else collate([work.fallback], seed=work.seed)
-                batch = _pad(batch, template, work.pad_to)
+                batch = pad_batch(batch, template, work.pad_to)
             if batch is not None and torch.utils.data.get_worker_info() is not None:
                 return _Packed.of(batch)
             return batch
@@ -439,7 +439,7 @@ def train_batches(
                         num_workers=num_workers, pin_memory=pin_memory, worker_timeout_s=worker_timeout_s)
 
 
-def _pad(batch: Batch | None, template: Batch, size: int) -> Batch:
+def pad_batch(batch: Batch | None, template: Batch, size: int) -> Batch:
     """Fill a short batch up to ``size`` with zero-weight copies of its own rows (or the template's)."""
     have = 0 if batch is None else len(batch)
     source = batch if have else template

@@ -30,7 +30,7 @@ def test_log_creates_its_folder_and_appends_across_restarts(tmp_path):
 
 
 class _Engine:
-    """What ``_save_step`` asks of a DeepSpeed engine: ``save_checkpoint`` writes ``<dir>/<tag>/``."""
+    """What ``save_step`` asks of a DeepSpeed engine: ``save_checkpoint`` writes ``<dir>/<tag>/``."""
 
     def __init__(self, fail: OSError | None = None) -> None:
         self.fail = fail
@@ -54,15 +54,15 @@ def test_a_step_checkpoint_is_committed_by_name_and_replaces_the_previous_one(tm
     dist.init()
     steps = tmp_path / "steps"
     trainer = TaskTrainer(None)
-    trainer._save_step(_Engine(), steps, 3, 0, 3, 2)
-    trainer._save_step(_Engine(), steps, 6, 1, 0, 2)
+    trainer.save_step(_Engine(), steps, 3, 0, 3, 2)
+    trainer.save_step(_Engine(), steps, 6, 1, 0, 2)
     assert sorted(p.name for p in steps.iterdir()) == [COMMITTED, "step00000006"]
     assert json.loads((steps / COMMITTED).read_text()) == {"tag": "step00000006", "epoch": 1, "next_micro_step": 0,
                                                            "global_step": 6, "world_size": 2}
     (steps / "step00000006").rename(steps / "old")  # the same step saved again (a preemption at a checkpoint step)
-    trainer._save_step(_Engine(), steps, 6, 1, 0, 2)
+    trainer.save_step(_Engine(), steps, 6, 1, 0, 2)
     assert (steps / "step00000006").is_dir()  # not removed as "the previous one"
     full = OSError(28, "No space left on device", str(steps / "step00000009" / "x.pt"))
     with pytest.raises(WriteError, match="step00000009/x.pt"):
-        trainer._save_step(_Engine(full), steps, 9, 1, 3, 2)
+        trainer.save_step(_Engine(full), steps, 9, 1, 3, 2)
     assert json.loads((steps / COMMITTED).read_text())["tag"] == "step00000006"

@@ -291,7 +291,7 @@ def test_padding_copies_the_batch_s_own_rows_at_zero_weight_and_concat_keeps_the
     concatenation keeps the task and the allowed classes."""
     import torch
 
-    from mcit.data.loader import _pad
+    from mcit.data.loader import pad_batch
     from mcit.data.types import Batch
 
     def batch(n, length, task=1):
@@ -300,10 +300,10 @@ def test_padding_copies_the_batch_s_own_rows_at_zero_weight_and_concat_keeps_the
                      {"input_ids": torch.full((n, length), 7)}, [{"i": i} for i in range(n)])
 
     template = batch(3, 9)
-    one = _pad(batch(1, 5), template, 4)
+    one = pad_batch(batch(1, 5), template, 4)
     assert one.valid.tolist() == [1.0, 0.0, 0.0, 0.0] and one.keys[0] == "k0" and one.inputs["input_ids"].shape == (4, 5)
     assert one.task == 1 and torch.equal(one.allowed_classes, torch.tensor([True, False]))
-    two = _pad(batch(2, 5), template, 3)
+    two = pad_batch(batch(2, 5), template, 3)
     assert two.labels.tolist() == [0, 1, 0] and two.meta == [{"i": 0}, {"i": 1}, {"i": 0}]
-    empty = _pad(None, template, 2)
+    empty = pad_batch(None, template, 2)
     assert empty.valid.tolist() == [0.0, 0.0] and empty.keys == [] and empty.inputs["input_ids"].shape == (2, 9)
