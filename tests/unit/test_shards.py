@@ -301,7 +301,8 @@ def test_padding_copies_the_batch_s_own_rows_at_zero_weight_and_concat_keeps_the
 
     template = batch(3, 9)
     one = pad_batch(batch(1, 5), template, 4)
-    assert one.valid.tolist() == [1.0, 0.0, 0.0, 0.0] and one.keys[0] == "k0" and one.inputs["input_ids"].shape == (4, 5)
+    assert one.valid.tolist() == [1.0, 0.0, 0.0, 0.0] and one.keys[0] == "k0"
+    assert one.inputs["input_ids"].shape == (4, 5)
     assert one.task == 1 and torch.equal(one.allowed_classes, torch.tensor([True, False]))
     two = pad_batch(batch(2, 5), template, 3)
     assert two.labels.tolist() == [0, 1, 0] and two.meta == [{"i": 0}, {"i": 1}, {"i": 0}]
