@@ -15,7 +15,9 @@ SHAPES = ["hbar", "vbar", "diag_up", "diag_down", "ring", "disk", "square", "plu
           "arc_bottom", "corner", "triangle", "parallel", "dots", "zigzag"]
 
 
-def _draw(draw, shape: str, rng: np.random.RandomState, canvas: int) -> None:
+def draw_shape(draw, shape: str, rng: np.random.RandomState, canvas: int) -> None:  # noqa: ANN001 - a PIL ImageDraw
+    """One ``shape`` on a ``canvas`` square: centred in its middle fifth, radius 0.22-0.45 of the canvas,
+    strokes canvas/16 to canvas/7 wide, ink 170-255 (the class is the shape, never its placement)."""
     c = canvas
     cx, cy = rng.uniform(0.4, 0.6, size=2) * c
     r = rng.uniform(0.22, 0.45) * c
@@ -79,7 +81,7 @@ def generate(n: int, size: int = 16, seed: int = 0, canvas: int = 32, low_res: i
     out = np.empty((n, size, size), dtype=np.uint8)
     for i, lab in enumerate(labels):
         img = Image.new("L", (canvas, canvas), 0)
-        _draw(ImageDraw.Draw(img), SHAPES[lab], rng, canvas)
+        draw_shape(ImageDraw.Draw(img), SHAPES[lab], rng, canvas)
         angle = rng.uniform(-20, 20)
         img = img.rotate(angle, resample=Image.BILINEAR)
         if low_res:
