@@ -42,7 +42,7 @@ def test_staging_dir_starts_empty_beside_its_target_even_after_a_killed_build(tm
 
 
 def test_publish_replaces_by_default_keeps_on_request_and_says_which(tmp_path):
-    out = tmp_path / "new_parent" / "data"
+    out = tmp_path / "new" / "parents" / "data"  # two levels that do not exist yet
     tmp = staging_dir(tmp_path / "s1")
     (tmp / "a").write_text("1")
     assert publish_dir(tmp, out, files={"record.json": "{}"}) is True

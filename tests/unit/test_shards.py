@@ -308,3 +308,19 @@ def test_padding_copies_the_batch_s_own_rows_at_zero_weight_and_concat_keeps_the
     assert two.labels.tolist() == [0, 1, 0] and two.meta == [{"i": 0}, {"i": 1}, {"i": 0}]
     empty = pad_batch(None, template, 2)
     assert empty.valid.tolist() == [0.0, 0.0] and empty.keys == [] and empty.inputs["input_ids"].shape == (2, 9)
+
+
+def test_task_sequence_names_its_tasks_and_maps_labels_to_contiguous_classes():
+    """Original labels (here 10, 20, 5, 7) become contiguous indices in label order; each task keeps its name
+    (the accuracy matrix, the logs and evaluate.py's --tasks all go by it) and its classes."""
+    from mcit.data.types import TaskSequence
+
+    seq = TaskSequence.from_label_spaces(["birds", "cars"], [[20, 10], [7, 5]], {5: "five"})
+    assert [(t.name, t.classes) for t in seq.tasks] == [("birds", (3, 2)), ("cars", (1, 0))]
+    assert seq.labels == (5, 7, 10, 20) and seq.class_names == ("five", "7", "10", "20")
+
+
+def test_a_split_of_one_sample_is_one_shard_and_an_empty_one_still_has_a_manifest(tmp_path):
+    assert [sh["num_samples"] for sh in write_split(tmp_path / "one", _samples(1), shard_size=1,
+                                                     label_space=[0])["shards"]] == [1]
+    assert [sh["num_samples"] for sh in write_split(tmp_path / "none", [], shard_size=4, label_space=[0])["shards"]] == [0]
