@@ -324,3 +324,32 @@ def test_a_split_of_one_sample_is_one_shard_and_an_empty_one_still_has_a_manifes
     assert [sh["num_samples"] for sh in write_split(tmp_path / "one", _samples(1), shard_size=1,
                                                      label_space=[0])["shards"]] == [1]
     assert [sh["num_samples"] for sh in write_split(tmp_path / "none", [], shard_size=4, label_space=[0])["shards"]] == [0]
+
+
+def test_each_epoch_is_its_own_shuffle_of_this_rank_s_part(split):
+    """Two epochs of one stream: each is exactly what ``iter_samples`` gives for that epoch's seed, this rank's
+    part under the split policy and the shuffle buffer asked for (so a different seed is a different order, and
+    neither is the manifest's); a rank left without samples (1 sample, 2 ranks) gets padding-only batches built
+    from the split's first sample."""
+    from mcit.data.loader import Epoch, train_epochs
+
+    collate = classification_collate(_t, {0: 0, 1: 1, 2: 2}, 0, split)
+    got = [b.keys for b in train_epochs(split, [Epoch(0, 1, None), Epoch(0, 2, None)], rank=1, world=2,
+                                        batch_size=16, num_steps=4, policy="sample", shuffle_buffer=8,
+                                        collate=collate)]
+    per_epoch = [[k for keys in got[i * 4:(i + 1) * 4] for k in keys] for i in range(2)]
+    want = [[s["__key__"] for s in iter_samples(split, 1, 2, policy="sample", shuffle_seed=seed, shuffle_buffer=8)]
+            for seed in (1, 2)]
+    assert [p[:len(w)] for p, w in zip(per_epoch, want)] == want and want[0] != want[1]
+    assert want[0] != sorted(want[0])
+
+
+def test_a_rank_without_samples_trains_on_padding_only(tmp_path):
+    from mcit.data.loader import Epoch, train_epochs
+
+    write_split(tmp_path / "one", _samples(1), shard_size=4, label_space=[0, 1, 2])
+    one = open_split(tmp_path / "one")
+    collate = classification_collate(_t, {0: 0, 1: 1, 2: 2}, 0, one)
+    batches = list(train_epochs(one, [Epoch(0, 1, None)], rank=1, world=2, batch_size=4, num_steps=2, policy="sample",
+                                shuffle_buffer=8, collate=collate))
+    assert len(batches) == 2 and all(b.valid.tolist() == [0.0] * 4 and b.keys == [] for b in batches)
