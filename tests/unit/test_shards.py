@@ -120,6 +120,9 @@ def test_missing_manifest_and_bad_format(tmp_path):
     (tmp_path / "manifest.json").write_text(json.dumps({"format": "other"}))
     with pytest.raises(DataError, match="format is 'other'"):
         open_split(tmp_path)
+    (tmp_path / "manifest.json").write_text(json.dumps(["a", "list"]))  # valid JSON, not a manifest
+    with pytest.raises(DataError, match="format is None, expected"):
+        open_split(tmp_path)
 
 
 def test_assign_is_balanced_greedy():
