@@ -66,3 +66,42 @@ def test_a_step_checkpoint_is_committed_by_name_and_replaces_the_previous_one(tm
     with pytest.raises(WriteError, match="step00000009/x.pt"):
         trainer.save_step(_Engine(full), steps, 9, 1, 3, 2)
     assert json.loads((steps / COMMITTED).read_text())["tag"] == "step00000006"
+
+
+def _ds_run(tmp_path, ds: dict, *overrides: str):
+    from mcit.config import load_config
+
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    return load_config("configs/digits_l2p.yaml", [f"train.deepspeed_config={tmp_path / 'ds.json'}",
+                                                   "train.batch_size=4", "train.grad_accum=2", "train.grad_clip=1.5",
+                                                   *overrides])
+
+
+def test_the_deepspeed_config_takes_batch_precision_and_clipping_from_the_run(tmp_path):
+    """What DeepSpeed is given: the run's micro batch, accumulation, global batch over the ranks, clipping and
+    precision (bf16 with fp32 gradient accumulation), an optimizer's "auto" lr / weight decay filled in, no
+    periodic prints. A JSON value that disagrees with the run stops it naming the key; "auto" or the same
+    value passes; train_batch_size must be the run's per-rank batch x the ranks."""
+    from mcit.engine import build_ds_config
+
+    ds = {"zero_optimization": {"stage": 2}, "optimizer": {"type": "Adam", "params": {"lr": "auto", "betas": [0.9, 0.99]}},
+          "gradient_accumulation_steps": "auto", "train_micro_batch_size_per_gpu": 4}
+    got = build_ds_config(_ds_run(tmp_path, ds, "train.precision=bf16", "train.lr=0.25"), 3)
+    assert {k: got[k] for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
+                                "gradient_clipping", "steps_per_print", "bf16", "data_types")} == {
+        "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "train_batch_size": 24,
+        "gradient_clipping": 1.5, "steps_per_print": 1 << 30, "bf16": {"enabled": True},
+        "data_types": {"grad_accum_dtype": "fp32"}}
+    assert got["optimizer"]["params"] == {"lr": 0.25, "weight_decay": 0.0, "betas": [0.9, 0.99]}
+    fp32 = build_ds_config(_ds_run(tmp_path, {}, "train.precision=fp32"), 1)
+    assert fp32["bf16"] == {"enabled": False} and "data_types" not in fp32
+    for key, value, source in (("train_micro_batch_size_per_gpu", 8, "train.batch_size"),
+                               ("gradient_accumulation_steps", 1, "train.grad_accum"),
+                               ("gradient_clipping", 1.0, "train.grad_clip")):
+        with pytest.raises(ValueError, match=f"sets {key} {value!r} but the run's {source} is"):
+            build_ds_config(_ds_run(tmp_path, {key: value}), 2)
+    assert build_ds_config(_ds_run(tmp_path, {"train_batch_size": 16}), 2)["train_batch_size"] == 16
+    for bad in (12, 24):  # 12: not a multiple of 4 x 2; 24: 3 ranks' worth on 2 ranks
+        with pytest.raises(ValueError, match=f"sets train_batch_size {bad} but the run's"):
+            build_ds_config(_ds_run(tmp_path, {"train_batch_size": bad}), 2)
+    assert build_ds_config(_ds_run(tmp_path, {"train_batch_size": 24}), 1)["train_batch_size"] == 8  # pre-flight
