@@ -89,6 +89,64 @@ def test_projecting_only_the_gradient_leaks_under_adam():
     assert _leak("test_gradient_only", "deepspeed_configs/zero2.json") > 0.05
 
 
+class _TwoProjected(Method):
+    """A frozen parameter first, then two trained ones, each confined to its own subspace (by name)."""
+
+    name = "test_two_projected"
+    Params = MethodParams
+    projects_updates = True
+
+    def __init__(self, params, backbone, sequence):
+        super().__init__(params, backbone, sequence)
+        g = torch.Generator().manual_seed(0)
+        self.frozen = nn.Parameter(torch.randn(D, generator=g), requires_grad=False)
+        self.w, self.v = nn.Parameter(torch.randn(D, generator=g)), nn.Parameter(torch.randn(D, generator=g))
+        for buf in ("P", "Q"):
+            u, _ = torch.linalg.qr(torch.randn(D, 3, generator=g))
+            self.register_buffer(buf, u @ u.t())
+
+    def train_outputs(self, batch):
+        return {"y": batch.pixel_values @ (self.w + 0.5 * self.v + 0.1 * self.frozen)}
+
+    def loss(self, batch, outputs):
+        return LossTerms(per_sample=(outputs["y"] - batch.labels.float()) ** 2)
+
+    def project_update(self, name, delta):
+        return {"w": self.P, "v": self.Q}[name] @ delta if name in ("w", "v") else None
+
+    def predict(self, batch):
+        return self.train_outputs(batch)["y"].round().long()
+
+
+METHODS.register("test_two_projected")(_TwoProjected)
+
+
+def test_every_projected_parameter_is_projected_by_its_name():
+    """The hook walks every parameter (a frozen one first is skipped, not the end of the walk) and hands each
+    update to the method under its own name: w stays in span(P) and v in span(Q)."""
+    from mcit import distributed as dist
+    from mcit.engine import full_fp32, setup_engine, train_step
+
+    dist.init()
+    cfg = validate_config({"name": "p", "backbone": {"path": "unused"}, "data": {"tasks": ["a"], "root": "."},
+                           "method": {"name": "test_two_projected"},
+                           "train": {"lr": 0.05, "optimizer": "adam", "batch_size": 8,
+                                     "deepspeed_config": "deepspeed_configs/zero2.json"}})
+    method = METHODS.get("test_two_projected")(cfg.method.params(), nn.Identity(),
+                                               TaskSequence.from_label_spaces(["a"], [[0, 1, 2]]))
+    start = {n: p.detach().clone() for n, p in method.named_parameters()}
+    engine, _ = setup_engine(cfg, method, 1)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        train_step(engine, Batch(torch.randn(8, D, generator=g), torch.randint(0, 3, (8,), generator=g),
+                                 torch.ones(8), 0), 1.0 / 8)
+    m = engine.module
+    for name, P in (("w", m.P), ("v", m.Q)):
+        d = full_fp32(getattr(m, name)) - start[name]
+        assert d.norm() > 1e-3 and float((d - P @ d).norm() / d.norm()) < 1e-5, name
+    engine.destroy()
+
+
 class _TwoGroups(Method):
     """Prompts at lr and a head at 0.1 x lr, as HiDe-Prompt's --larger_prompt_lr groups."""
 
