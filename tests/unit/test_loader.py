@@ -79,6 +79,10 @@ def test_a_sample_s_augmentation_depends_on_the_seed_and_its_key_only(split):
     alone = torch.cat([collate([s], seed=4).pixel_values for s in samples])
     assert torch.equal(together, alone)
     assert not torch.equal(collate(samples, seed=5).pixel_values, together)
+    # the same image under two keys: each key draws its own crop and flip (not one draw for the whole batch)
+    twins = [{**samples[0], "__key__": f"twin{i}"} for i in range(4)]
+    drawn = collate(twins, seed=4).pixel_values
+    assert len({tuple(x.flatten().tolist()) for x in drawn}) > 1
     with pytest.raises(ValueError, match="needs a seed"):
         collate(samples)
     # evaluation is deterministic and takes no seed

@@ -356,3 +356,15 @@ def test_a_rank_without_samples_trains_on_padding_only(tmp_path):
     batches = list(train_epochs(one, [Epoch(0, 1, None)], rank=1, world=2, batch_size=4, num_steps=2, policy="sample",
                                 shuffle_buffer=8, collate=collate))
     assert len(batches) == 2 and all(b.valid.tolist() == [0.0] * 4 and b.keys == [] for b in batches)
+
+
+@pytest.mark.parametrize("ext", ["png", "jpg", "jpeg"])
+def test_decode_reads_each_image_member_and_names_a_sample_without_one(ext):
+    """Converters write PNG or JPEG members (data_prep.common keeps a JPEG file's bytes as they are, as "jpg");
+    webdataset's own "jpeg" suffix is read too."""
+    buf = io.BytesIO()
+    Image.new("RGB", (6, 4), (200, 10, 10)).save(buf, format="PNG" if ext == "png" else "JPEG")
+    img, label, key = decode_sample({"__key__": "k1", ext: buf.getvalue(), "cls": b"7"})
+    assert img.size == (6, 4) and label == 7 and key == "k1"
+    with pytest.raises(DataError, match=r"sample k1 in s.tar: cannot decode"):
+        decode_sample({"__key__": "k1", "__url__": "s.tar", "txt": b"x", "cls": 7})
