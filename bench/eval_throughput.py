@@ -15,7 +15,11 @@ splits' samples, collated once before timing by the pipeline's own collate for t
 
 The three produce answers per question key; the bench stops if any answer differs. Passes alternate for
 ``--rounds`` rounds; the ratios are medians of per-round paired ratios: pipeline / batched (target >= 0.9)
-and pipeline / per-question (target >= 5).
+and pipeline / per-question (target >= 5). A breakdown of the pipeline's pass says where its time goes beside
+the bare batched ``generate``: inside the method's ``generate`` (the same computation; slower only when the loader
+workers take CPU from it), before the first batch (the stream's start and the batch collated in-process), and
+between batches (waiting for the loader, scoring, gathering, writing the answers): what to look at on a device
+where the ratio falls short.
 
     python bench/eval_throughput.py [--config configs/tiny_mcit_fwd_prompt.yaml] [--rounds 3] [key=value ...]
 """
@@ -30,6 +34,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -85,7 +90,23 @@ def main() -> int:
     model, tok = backbone.model, backbone.tokenizer
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
+    spans: list[tuple[float, float]] = []  # (start, end) of each method.generate call of the current pass
+    method_generate = method.generate
+
+    def timed_generate(batch: Any, max_new_tokens: int) -> list[str]:
+        """The method's generate, its span recorded: what the pipeline spends outside it is its feeding."""
+        sync()
+        t = time.perf_counter()
+        out = method_generate(batch, max_new_tokens)
+        sync()
+        spans.append((t, time.perf_counter()))
+        return out
+
+    method.generate = timed_generate
+    parts: dict[str, list[float]] = {"generate": [], "first": [], "between": []}
+
     def pipeline() -> tuple[float, dict[str, str]]:
+        spans.clear()
         with tempfile.TemporaryDirectory() as answers, method.zero_shot():
             sync()
             t0 = time.perf_counter()
@@ -95,6 +116,10 @@ def main() -> int:
             sync()
             dt = time.perf_counter() - t0
             rows = [json.loads(line) for f in sorted(Path(answers).glob("*.jsonl")) for line in open(f)]
+        gen = sum(b - a for a, b in spans)
+        parts["generate"].append(gen)
+        parts["first"].append(spans[0][0] - t0 if spans else dt)
+        parts["between"].append(dt - gen - parts["first"][-1])
         return dt, {r["key"]: r["text"] for r in rows}
 
     @torch.no_grad()
@@ -113,6 +138,8 @@ def main() -> int:
         return time.perf_counter() - t0, out
 
     pipeline()  # warm-up: first worker start, first generate
+    for v in parts.values():
+        v.clear()
     times: dict[str, list[float]] = {"pipeline": [], "bare batched": [], "bare per question": []}
     answers: dict[str, dict[str, str]] = {}
     for r in range(args.rounds):
@@ -138,6 +165,11 @@ def main() -> int:
     for name, v in times.items():
         print(f"{name:18s}: {n / statistics.median(v):8.1f} questions/s (median)")
     p, b, s = times["pipeline"], times["bare batched"], times["bare per question"]
+    med = {k: statistics.median(v) for k, v in parts.items()}
+    print(f"pipeline pass (median s): {statistics.median(p):.3f} = method generate {med['generate']:.3f} (bare batched "
+          f"generate {statistics.median(b):.3f}) + before the first batch {med['first']:.3f} + between batches and "
+          f"after the last {med['between']:.3f} "
+          f"(waiting for the loader, scoring, gathering, the answers file)")
     print(f"ratio pipeline / bare batched      = {statistics.median(y / x for x, y in zip(p, b)):.3f}  "
           f"(median of the per-round paired ratios; target >= 0.9)")
     print(f"ratio pipeline / bare per question = {statistics.median(y / x for x, y in zip(p, s)):.2f}  "
