@@ -16,8 +16,9 @@ splits' samples, collated once before timing by the pipeline's own collate for t
 The three produce answers per question key; the bench stops if any answer differs. Passes alternate for
 ``--rounds`` rounds; the ratios are medians of per-round paired ratios: pipeline / batched (target >= 0.9)
 and pipeline / per-question (target >= 5). A breakdown of the pipeline's pass says where its time goes beside
-the bare batched ``generate``: inside the method's ``generate`` (the same computation; slower only when the loader
-workers take CPU from it), before the first batch (the stream's start and the batch collated in-process), and
+the bare batched ``generate``: inside the method's ``generate`` (the same computation as the bare call: on 2 CPU cores
+the two cost the same in isolation, and the method's is slower in the pass because the loader workers take CPU
+from it), before the first batch (the stream's start and the batch collated in-process), and
 between batches (waiting for the loader, scoring, gathering, writing the answers): what to look at on a device
 where the ratio falls short.
 
