@@ -91,7 +91,12 @@ def main() -> int:
     splits = [open_split(str(Path(cfg.data.root) / n / "train")) for n in names]
     seq = TaskSequence.from_label_spaces(names, [s.label_space for s in splits])
     split, task, B = splits[0], 0, cfg.train.batch_size
-    transform = transforms.build(cfg.data.train_transform, train=True, size=getattr(backbone, "image_size", 0))
+    own = type(backbone).own_preprocessing(cfg.backbone.path)  # the run's pipeline, as pre-flight builds it
+    norm = transforms.normalization(cfg.data.train_transform, own)
+    if norm is not None:
+        backbone.use_normalization(*norm)
+    transform = transforms.build(cfg.data.train_transform, train=True, size=getattr(backbone, "image_size", 0),
+                                 backbone=own)
     collate = backbone.make_collate(split, task, train=True, label_index=seq.label_to_index(),
                                     **({"transform": transform} if transform.steps else {}))
     steps = micro_steps_per_epoch(split, 1, B, 1, cfg.data.split)

@@ -98,10 +98,13 @@ class DataConfig(_Strict):
                                  "naming the split (a worker stuck on storage, or deadlocked at its start) instead "
                                  "of a silent hang; raise it for remote shards that take longer to fetch")
     train_transform: str = Field(
-        "none", description="augmentation preset for training images (mcit.data.transforms.PRESETS: none, l2p, coda, "
-                            "coda_domainnet, vpt_nsp2_cifar, vpt_nsp2_imagenet, vpt_nsp2_clip_cifar, "
-                            "vpt_nsp2_clip_imagenet, clip, star_cifar, star_imagenet_r)")
-    eval_transform: str = Field("none", description="the preset whose evaluation pipeline test images go through")
+        "backbone", description="preset of the training images' pipeline, normalisation included "
+                                "(mcit.data.transforms.PRESETS; the README's methods table names each method's): "
+                                "backbone (the default: the backbone's own inference pipeline, no augmentation), l2p, "
+                                "hide_cifar, coda, coda_imagenet, vpt_nsp2_cifar, vpt_nsp2_imagenet, vpt_nsp2_clip_cifar, "
+                                "vpt_nsp2_clip_imagenet, clip, star_cifar, star_imagenet_r, ...")
+    eval_transform: str = Field("backbone", description="the preset whose evaluation pipeline test images go through; "
+                                                        "its normalisation must be the training preset's")
     reference: str | None = Field(
         None, description="a split of the backbone's pre-training data (for methods that need a pre-trained subspace)")
     schedule: Literal["sequential", "joint"] = Field(

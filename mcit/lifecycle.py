@@ -47,6 +47,8 @@ class MethodHost:
         they were loaded through the zoo), on this rank's device."""
         dtype = torch.bfloat16 if self.cfg.train.precision == "bf16" else torch.float32
         self.backbone = _load(self.plan.backbone, dtype)
+        if self.plan.normalization is not None:  # the presets' Normalize, not the checkpoint's own
+            self.backbone.use_normalization(*self.plan.normalization)
         self.auxiliary = {name: _load(aux, torch.float32) for name, aux in self.plan.auxiliary.items()}
 
     def build(self) -> Method:
@@ -79,7 +81,8 @@ class MethodHost:
         augment = train if augment is None else augment
         data = self.cfg.data
         size = getattr(self.backbone, "image_size", 0)
-        transform = transforms.build(data.train_transform if augment else data.eval_transform, train=augment, size=size)
+        transform = transforms.build(data.train_transform if augment else data.eval_transform, train=augment, size=size,
+                                     backbone=self.plan.preprocessing)
         extra = {"transform": transform} if transform.steps else {}  # a backbone without augmentation needs no argument
         return self.backbone.make_collate(split, task, train=train, label_index=self.plan.sequence.label_to_index(),
                                           **extra)

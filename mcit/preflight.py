@@ -47,6 +47,10 @@ class Plan:
     scorers: list[str] | None = None  # instruction tasks: the scorer of each task
     reference: Split | None = None  # data.reference, when the method needs it
     stage_names: list[str] = field(default_factory=list)  # the training tasks: ``names``, or ["joint"]
+    # image encoders: the backbone's own pipeline (mcit.data.transforms.BackbonePreprocessing) and the run's
+    # (mean, std), which the presets decide; None for backbones that preprocess by themselves
+    preprocessing: Any = None
+    normalization: Any = None
 
     def __post_init__(self) -> None:
         self.stage_names = self.stage_names or list(self.names)
@@ -136,7 +140,7 @@ def preflight(cfg: RunConfig, base: Path | None = None, *, run_dir: Path | None 
     """
     import inspect
 
-    from mcit.data.transforms import PRESETS
+    from mcit.data.transforms import BACKBONE, PRESETS
     from mcit.engine import build_ds_config, resolve_ds_config_path
 
     base = base or Path.cwd()
@@ -144,9 +148,9 @@ def preflight(cfg: RunConfig, base: Path | None = None, *, run_dir: Path | None 
         name = getattr(cfg.data, key)
         if name not in PRESETS:
             raise ConfigError(f"data.{key}: unknown preset {name!r} (have: {', '.join(PRESETS)})")
-        if name != "none" and "transform" not in inspect.signature(backbone_class(cfg.backbone.kind).make_collate).parameters:
+        if name != BACKBONE and "transform" not in inspect.signature(backbone_class(cfg.backbone.kind).make_collate).parameters:
             raise ConfigError(f"data.{key}: backbone kind {cfg.backbone.kind} takes no augmentation preset (it preprocesses "
-                              f"images itself): leave it at none")
+                              f"images itself): leave it at {BACKBONE}")
     ds_path = resolve_ds_config_path(cfg.train.deepspeed_config)
     if not ds_path.is_file():
         raise ConfigError(f"train.deepspeed_config: file not found: {cfg.train.deepspeed_config}")
@@ -215,8 +219,28 @@ def preflight(cfg: RunConfig, base: Path | None = None, *, run_dir: Path | None 
     if run_dir is None:  # a training run: its directory must be new or hold this exact config
         run.check_belongs_to(cfg)
     plan = Plan(cfg, run, names, train, test, sequence, backbone, auxiliary, scorers, reference, stage_names)
+    plan.preprocessing, plan.normalization = image_pipeline(cfg, backbone)
     check_same_backbones(plan)
     return plan
+
+
+def image_pipeline(cfg: RunConfig, backbone: ResolvedBackbone) -> tuple[Any, Any]:
+    """(the backbone's own inference pipeline, the mean / std the run normalises with) for an image encoder;
+    (None, None) for a backbone that preprocesses by itself. The train and eval presets must agree on the
+    normalisation: the frozen backbone sees one input distribution."""
+    from mcit.data.transforms import normalization
+    from mcit.models.zoo import preprocessing_of
+
+    pre = preprocessing_of(backbone.kind, str(backbone.record.get("tag")), backbone.directory)
+    if pre is None:
+        return None, None
+    train = normalization(cfg.data.train_transform, pre)
+    evaluate = normalization(cfg.data.eval_transform, pre)
+    if train != evaluate:
+        raise ConfigError(f"data.eval_transform: preset {cfg.data.eval_transform!r} normalises with mean/std {evaluate}, "
+                          f"but data.train_transform {cfg.data.train_transform!r} with {train}: the backbone must see one "
+                          f"normalisation")
+    return pre, train
 
 
 def check_same_backbones(plan: Plan) -> None:

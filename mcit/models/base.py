@@ -28,12 +28,15 @@ import json
 from abc import ABCMeta, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import torch
 from torch import nn
 
 from mcit.registry import BACKBONES
+
+if TYPE_CHECKING:
+    from mcit.data.transforms import BackbonePreprocessing
 
 
 class BackboneError(ValueError):
@@ -248,25 +251,52 @@ class PromptableImageEncoder(Backbone):
         except Exception as e:  # noqa: BLE001 - surface as one line naming the path
             name = cls.__name__.removesuffix("Backbone") or cls.__name__
             raise BackboneError(f"cannot load {name} backbone from {path}: {str(e).splitlines()[0]}") from None
-        proc = read_preprocessor(path)
-        bb = cls(model, image_mean=proc.get("image_mean", list(cls.default_mean)),
-                 image_std=proc.get("image_std", list(cls.default_std)), **extras)
-        bb.resample = int(proc.get("resample", cls.resample))  # the checkpoint's resize filter (PIL code)
+        own = cls.own_preprocessing(path)
+        bb = cls(model, image_mean=list(own.mean), image_std=list(own.std), **extras)
+        bb.resample = {"nearest": 0, "bilinear": 2, "bicubic": 3}[own.interpolation]  # the checkpoint's filter
         return bb
+
+    @classmethod
+    def own_preprocessing(cls, path: str | Path) -> "BackbonePreprocessing":
+        """The checkpoint directory's own inference pipeline, read without loading weights: its
+        ``preprocessor_config.json`` (resize, crop, filter, mean / std), the input size from ``config.json``,
+        and the class's defaults where the directory says nothing."""
+        from mcit.data.transforms import BackbonePreprocessing
+
+        p = Path(path)
+        try:
+            cfg = json.loads((p / "config.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            cfg = {}
+        size = int((cfg.get("vision_config") or cfg).get("image_size", 224))
+        names = {0: "nearest", 2: "bilinear", 3: "bicubic"}
+        default = BackbonePreprocessing(size, None, names[cls.resample], tuple(cls.default_mean), tuple(cls.default_std),
+                                        f"{cls.__name__} defaults")
+        proc = read_preprocessor(p) if p.is_dir() else {}
+        if not proc:
+            return default
+        return BackbonePreprocessing.from_image_processor(proc, size, default, str(p / "preprocessor_config.json"))
+
+    def use_normalization(self, mean: tuple[float, ...] | list[float], std: tuple[float, ...] | list[float]) -> None:
+        """Normalise with the run's pipeline's mean / std (a preset's ``Normalize``, e.g. an official code base
+        that feeds the ViT [0, 1] images) instead of the checkpoint's; every later collate and every method that
+        reads ``mean`` / ``std`` (STAR-Prompt's CLIP query) sees the same values."""
+        self.mean.copy_(torch.tensor(mean, dtype=self.mean.dtype).view(1, -1, 1, 1))
+        self.std.copy_(torch.tensor(std, dtype=self.std.dtype).view(1, -1, 1, 1))
+        self._cpu_mean_std = (self.mean.detach().cpu().clone(), self.std.detach().cpu().clone())
 
     def preprocess(self, images: list) -> torch.Tensor:
         """PIL images -> normalised pixel values (RGB, resized to the model's size)."""
-        import numpy as np
+        from mcit.data.transforms import to_tensor
 
-        arrs = []
+        sized = []
         for im in images:
             im = im.convert("RGB")
-            if im.size != (self.image_size, self.image_size):
+            if im.size != (self.image_size, self.image_size):  # a preset that leaves some sizes as they are
                 im = im.resize((self.image_size, self.image_size), self.resample)
-            arrs.append(np.asarray(im, dtype=np.float32) / 255.0)
-        x = torch.from_numpy(np.stack(arrs)).permute(0, 3, 1, 2)
+            sized.append(im)
         mean, std = self._cpu_mean_std
-        return ((x - mean) / std).contiguous()
+        return to_tensor(sized, mean.flatten().tolist(), std.flatten().tolist())
 
     def make_collate(self, split: Any, task: int, *, train: bool, label_index: dict[int, int],
                      transform: Callable | None = None) -> Callable:

@@ -36,18 +36,19 @@ from typing import Any
 import numpy as np
 import torch
 
+from mcit.data.transforms import BackbonePreprocessing
 from mcit.models.base import BackboneError
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 CLIP_MEAN, CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
-NO_NORM = ((0.0, 0.0, 0.0), (1.0, 1.0, 1.0))  # ToTensor only: inputs in [0, 1]
 VIT_B16 = {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072,
            "patch_size": 16, "image_size": 224}
 
 
 @dataclass(frozen=True)
 class ZooEntry:
-    """One tag: what the checkpoint is, how it is converted, and how the papers' code feeds it."""
+    """One tag: what the checkpoint is, how it is converted, and how its pre-training evaluated images (its own
+    inference pipeline: what a run without a transform preset feeds it)."""
 
     tag: str
     kind: str  # vit | clip | llava
@@ -55,53 +56,79 @@ class ZooEntry:
     arch: dict[str, Any]
     image_mean: tuple[float, ...]
     image_std: tuple[float, ...]
-    interpolation: str  # bicubic | bilinear: the papers' resize
+    interpolation: str  # bicubic | bilinear: the release's evaluation resize
     papers: str
-    obtain: str  # where users get the original file
+    obtain: str
+    resize: int = 0  # the release's evaluation resize of the shorter side, before the central crop
+    preprocessing_source: str = ""
+    own_directory: bool = False  # the directory's own preprocessor config is the pipeline (the project's backbones)
     notes: str = ""
     layer_norm_eps: float = 1e-6
     extra: dict[str, Any] = field(default_factory=dict)
 
+    def preprocessing(self) -> BackbonePreprocessing:
+        """The release's own evaluation pipeline (checked against the release's code in
+        tests/reference/test_preprocessing_reference.py)."""
+        size = self.arch.get("image_size", self.arch.get("vision", {}).get("image_size", 224))
+        return BackbonePreprocessing(int(size), self.resize or None, self.interpolation, tuple(self.image_mean),
+                                     tuple(self.image_std), f"zoo tag {self.tag}: {self.preprocessing_source}")
 
-# The prompt-based CIL code bases (l2p-pytorch, dualprompt-pytorch and their descendants HiDe-Prompt,
-# NoRGa, Soft-TF) feed the ViT ToTensor() images: no mean/std normalisation, bicubic Resize(256) +
-# CenterCrop(224) at test time. The tags of the backbones they use record exactly that.
-_CIL_PRE = dict(image_mean=NO_NORM[0], image_std=NO_NORM[1], interpolation="bicubic")
+
+# timm 0.9.12's pretrained_cfg of the ViT-B/16 releases: bicubic, crop_pct 0.9 (Resize(int(224 / 0.9)) + CenterCrop),
+# mean / std 0.5 (the JAX releases' (x - 127.5) / 127.5). The prompt-based CIL code bases do not use it: their
+# presets (mcit.data.transforms) carry their own pipelines and normalisation.
+_TIMM_VIT = dict(image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5), interpolation="bicubic", resize=248)
+_TIMM = "timm 0.9.12 create_transform(resolve_data_config(pretrained_cfg of {}))"
+# DINO's and iBOT's eval_linear / eval_knn val transform: Resize(256, bicubic) + CenterCrop(224), ImageNet mean / std
+_SSL = dict(image_mean=IMAGENET_MEAN, image_std=IMAGENET_STD, interpolation="bicubic", resize=256)
 
 ZOO: dict[str, ZooEntry] = {e.tag: e for e in [
-    ZooEntry("vit_b16_in21k", "vit", "jax_npz", VIT_B16, **_CIL_PRE,
+    ZooEntry("vit_b16_in21k", "vit", "jax_npz", VIT_B16, **_TIMM_VIT,
+             preprocessing_source=_TIMM.format("vit_base_patch16_224.orig_in21k"),
              papers="HiDe-Prompt, NoRGa (Sup-21K); L2P / DualPrompt's JAX originals",
              obtain="https://storage.googleapis.com/vit_models/imagenet21k/ViT-B_16.npz (the original ViT paper's "
-                    "ImageNet-21k ViT-B/16)"),
-    ZooEntry("vit_b16_in21k_augreg", "vit", "jax_npz", VIT_B16, **_CIL_PRE,
+                    "ImageNet-21k ViT-B/16)",
+             notes="the JAX repository itself evaluates with a 224 x 224 bilinear resize and no crop; timm's 248 + "
+                   "centre crop is the one its PyTorch users (and this tag) get"),
+    ZooEntry("vit_b16_in21k_augreg", "vit", "jax_npz", VIT_B16, **_TIMM_VIT,
+             preprocessing_source=_TIMM.format("vit_base_patch16_224.augreg_in21k"),
              papers="VPT-NSP² (its scripts load timm vit_base_patch16_224.augreg_in21k)",
              obtain="https://storage.googleapis.com/vit_models/augreg/B_16-i21k-300ep-lr_0.001-aug_medium1-wd_0.1-do_0.0-"
                     "sd_0.0.npz, or timm's vit_base_patch16_224.augreg_in21k (format timm: use tag "
                     "vit_b16_in21k_augreg_timm)"),
-    ZooEntry("vit_b16_in21k_augreg_timm", "vit", "timm", VIT_B16, **_CIL_PRE,
+    ZooEntry("vit_b16_in21k_augreg_timm", "vit", "timm", VIT_B16, **_TIMM_VIT,
+             preprocessing_source=_TIMM.format("vit_base_patch16_224.augreg_in21k"),
              papers="as vit_b16_in21k_augreg, from timm's safetensors / .pth",
              obtain="huggingface.co/timm/vit_base_patch16_224.augreg_in21k (model.safetensors)"),
-    ZooEntry("vit_b16_in21k_ft_in1k_augreg", "vit", "timm", VIT_B16, **_CIL_PRE,
+    ZooEntry("vit_b16_in21k_ft_in1k_augreg", "vit", "timm", VIT_B16, **_TIMM_VIT,
+             preprocessing_source=_TIMM.format("vit_base_patch16_224.augreg2_in21k_ft_in1k (.augreg_in21k_ft_in1k: "
+                                               "the same)"),
              papers="L2P, DualPrompt PyTorch ports (timm 0.6's vit_base_patch16_224 = augreg in21k fine-tuned on in1k)",
              obtain="huggingface.co/timm/vit_base_patch16_224.augreg2_in21k_ft_in1k or .augreg_in21k_ft_in1k "
                     "(model.safetensors)"),
-    ZooEntry("sam_vitb16", "vit", "jax_npz", VIT_B16, **_CIL_PRE,
+    ZooEntry("sam_vitb16", "vit", "jax_npz", VIT_B16, **_TIMM_VIT,
+             preprocessing_source=_TIMM.format("vit_base_patch16_224.sam_in1k"),
              papers="ViT-B/16 trained with sharpness-aware minimisation on ImageNet-1k (timm vit_base_patch16_224.sam_in1k)",
              obtain="https://storage.googleapis.com/vit_models/sam/ViT-B_16.npz",
              notes="SAM = sharpness-aware minimisation (Chen et al. 2022), not Segment Anything, whose windowed "
                    "ViT is not a ViT-B/16 image classifier"),
-    ZooEntry("dino_vitb16", "vit", "dino", VIT_B16, **_CIL_PRE,
+    ZooEntry("dino_vitb16", "vit", "dino", VIT_B16, **_SSL,
+             preprocessing_source="facebookresearch/dino 7c446df eval_linear.py val_transform / eval_knn.py "
+                                  "(timm's vit_base_patch16_224.dino cfg says 248: not DINO's own)",
              papers="HiDe-Prompt, NoRGa (DINO-1K)",
              obtain="https://dl.fbaipublicfiles.com/dino/dino_vitbase16_pretrain/dino_vitbase16_pretrain.pth"),
-    ZooEntry("ibot_vitb16", "vit", "ibot", VIT_B16, **_CIL_PRE,
+    ZooEntry("ibot_vitb16", "vit", "ibot", VIT_B16, **_SSL,
+             preprocessing_source="bytedance/ibot da316d8 evaluation/eval_knn.py extract_feature_pipeline (= eval_linear.py)",
              papers="HiDe-Prompt, NoRGa (iBOT-1K)",
              obtain="https://lf3-nlp-opensource.bytetos.com/obj/nlp-opensource/archive/2022/ibot/vitb_16/"
                     "checkpoint_teacher.pth"),
-    ZooEntry("ibot_vitb16_in21k", "vit", "ibot", VIT_B16, **_CIL_PRE,
+    ZooEntry("ibot_vitb16_in21k", "vit", "ibot", VIT_B16, **_SSL,
+             preprocessing_source="bytedance/ibot da316d8 evaluation/eval_knn.py extract_feature_pipeline (= eval_linear.py)",
              papers="HiDe-Prompt, NoRGa (iBOT-21K)",
              obtain="https://lf3-nlp-opensource.bytetos.com/obj/nlp-opensource/archive/2022/ibot/vitb_16_pt22k/"
                     "checkpoint.pth (the teacher is used)"),
-    ZooEntry("mocov3_vitb16", "vit", "mocov3", VIT_B16, **_CIL_PRE,
+    ZooEntry("mocov3_vitb16", "vit", "mocov3", VIT_B16, IMAGENET_MEAN, IMAGENET_STD, "bilinear", resize=256,
+             preprocessing_source="facebookresearch/moco-v3 c349e6e main_lincls.py val_loader (Resize(256) bilinear)",
              papers="HiDe-Prompt, NoRGa (MoCo-1K)",
              obtain="https://dl.fbaipublicfiles.com/moco-v3/vit-b-300ep/vit-b-300ep.pth.tar (base encoder)"),
     ZooEntry("clip_vitb16_openai", "clip", "openai_clip",
@@ -110,7 +137,8 @@ ZOO: dict[str, ZooEntry] = {e.tag: e for e in [
               "text": {"hidden_size": 512, "num_hidden_layers": 12, "num_attention_heads": 8,
                        "intermediate_size": 2048, "vocab_size": 49408, "max_position_embeddings": 77},
               "projection_dim": 512},
-             CLIP_MEAN, CLIP_STD, "bicubic", papers="VPT-NSP² CLIP rows, STAR-Prompt (CLIP level)",
+             CLIP_MEAN, CLIP_STD, "bicubic", resize=224, preprocessing_source="openai/CLIP d05afc4 clip.py _transform(224)",
+             papers="VPT-NSP² CLIP rows, STAR-Prompt (CLIP level)",
              obtain="openai/CLIP's ViT-B-16.pt (clip.available_models()), or the HF directory "
                     "openai/clip-vit-base-patch16 (tag clip_vitb16_openai, any HF directory loads as it is)",
              layer_norm_eps=1e-5),
@@ -120,19 +148,61 @@ ZOO: dict[str, ZooEntry] = {e.tag: e for e in [
               "text": {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,
                        "intermediate_size": 3072, "vocab_size": 49408, "max_position_embeddings": 77},
               "projection_dim": 768},
-             CLIP_MEAN, CLIP_STD, "bicubic", papers="STAR-Prompt (CLIP ViT-L/14)",
+             CLIP_MEAN, CLIP_STD, "bicubic", resize=224, preprocessing_source="openai/CLIP d05afc4 clip.py _transform(224)",
+             papers="STAR-Prompt (CLIP ViT-L/14)",
              obtain="openai/CLIP's ViT-L-14.pt, or the HF directory openai/clip-vit-large-patch14",
              layer_norm_eps=1e-5),
+    # The project's own pre-trained backbones (data_prep/): transformers directories whose size the builder's options
+    # decide, so no fixed architecture, and their own preprocessor config is their pipeline.
+    ZooEntry("tiny_vit_procedural", "vit", "hf", {}, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5), "bilinear",
+             papers="the embedded CIL demo's ViT (data_prep/pretrain_vit.py)", obtain="make data-cil",
+             preprocessing_source="its directory's preprocessor_config.json", own_directory=True),
+    ZooEntry("tiny_clip_procedural", "clip", "hf", {}, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5), "bicubic",
+             papers="the embedded CIL demo's CLIP (data_prep/pretrain_clip.py)", obtain="make data-cil",
+             preprocessing_source="its directory's preprocessor_config.json", own_directory=True),
+    ZooEntry("tiny-llava-procedural", "llava", "hf", {}, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5), "bicubic",
+             papers="the embedded MCIT demo's LLaVA (data_prep/pretrain_tiny_llava.py)", obtain="make data",
+             preprocessing_source="its processor", own_directory=True),
     ZooEntry("llava_v1.5_7b", "llava", "hf", {"text_hidden_size": 4096, "text_num_hidden_layers": 32},
-             CLIP_MEAN, CLIP_STD, "bicubic", papers="Fwd-Prompt, CoIN, MCITlib (LLaVA-1.5-7B)",
+             CLIP_MEAN, CLIP_STD, "bicubic", resize=336, preprocessing_source="its CLIPImageProcessor (336)",
+             papers="Fwd-Prompt, CoIN, MCITlib (LLaVA-1.5-7B)",
              obtain="the HF directory llava-hf/llava-1.5-7b-hf", layer_norm_eps=1e-5),
 ]}
 
 
+def close_tags(tag: str) -> list[str]:
+    """Zoo tags a mistyped ``tag`` may have meant: the same words in another order, or a close spelling."""
+    import difflib
+
+    words = sorted(tag.lower().replace("-", "_").split("_"))
+    same_words = [t for t in ZOO if sorted(t.split("_")) == words]
+    return same_words + [t for t in difflib.get_close_matches(tag, list(ZOO), n=3, cutoff=0.75) if t not in same_words]
+
+
+def _unknown(tag: str) -> str:
+    close = close_tags(tag)
+    hint = f"did you mean {' or '.join(close)}? " if close else ""
+    return f"backbone.tag {tag!r} is not a zoo tag ({hint}known tags: {', '.join(sorted(ZOO))})"
+
+
 def entry(tag: str) -> ZooEntry:
     if tag not in ZOO:
-        raise BackboneError(f"backbone.tag: unknown tag {tag!r}; known tags: {', '.join(sorted(ZOO))}")
+        raise BackboneError(_unknown(tag))
     return ZOO[tag]
+
+
+def preprocessing_of(kind: str, tag: str, directory: str) -> BackbonePreprocessing | None:
+    """The backbone's own inference pipeline: its zoo tag's (whatever the directory's preprocessor config says:
+    a converted cache written by an older version, or a directory made by hand), else the checkpoint
+    directory's; None for a backbone kind that preprocesses by itself (the MLLMs)."""
+    from mcit.models.base import PromptableImageEncoder, backbone_class
+
+    cls = backbone_class(kind)
+    if not issubclass(cls, PromptableImageEncoder):
+        return None
+    if tag in ZOO and ZOO[tag].kind == kind and not ZOO[tag].own_directory:
+        return ZOO[tag].preprocessing()
+    return cls.own_preprocessing(directory)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -481,11 +551,12 @@ def export_hf(conv: Converted, out: Path, tokenizer: Path | None = None) -> Path
     shutil.rmtree(tmp, ignore_errors=True)
     conv.model.save_pretrained(str(tmp), safe_serialization=True)
     e = conv.entry
-    (tmp / "preprocessor_config.json").write_text(json.dumps({
-        "image_mean": list(e.image_mean), "image_std": list(e.image_std),
-        "resample": 3 if e.interpolation == "bicubic" else 2,
-        "size": {"height": e.arch.get("image_size", e.arch.get("vision", {}).get("image_size", 224)),
-                 "width": e.arch.get("image_size", e.arch.get("vision", {}).get("image_size", 224))}}, indent=1))
+    pre = e.preprocessing()
+    (tmp / "preprocessor_config.json").write_text(json.dumps({  # transformers' CLIP image processor keys
+        "image_mean": list(pre.mean), "image_std": list(pre.std), "do_normalize": True, "do_rescale": True,
+        "resample": {"nearest": 0, "bilinear": 2, "bicubic": 3}[pre.interpolation], "do_resize": True,
+        "size": {"shortest_edge": pre.resize or pre.size}, "do_center_crop": True,
+        "crop_size": {"height": pre.size, "width": pre.size}}, indent=1))
     if tokenizer is not None:  # CLIP: the text side's tokenizer files (the OpenAI file has none)
         _copy_tokenizer(tokenizer, tmp)
     (tmp / "zoo.json").write_text(json.dumps({"tag": e.tag, "format": e.format, "source_sha256": conv.sha256,
@@ -556,9 +627,13 @@ def resolve(kind: str, tag: str, path: str, cache_dir: str, tokenizer: str | Non
     if tag not in ZOO:
         if not _hf_dir(p):
             if not p.exists():
-                raise BackboneError(f"backbone path not found: {p}")
-            raise BackboneError(f"backbone.path {p} is not a transformers directory, and backbone.tag {tag!r} is not a "
-                                f"zoo tag that could convert it (known tags: {', '.join(sorted(ZOO))})")
+                raise BackboneError(f"backbone path not found: {p} (and {_unknown(tag)})")
+            raise BackboneError(f"backbone.path {p} is not a transformers directory, and {_unknown(tag)}")
+        if close_tags(tag):
+            import warnings
+
+            warnings.warn(f"backbone.tag {tag!r} is not a zoo tag, so {p} loads as it is, with no architecture check and its "
+                 f"own preprocessor config; did you mean {' or '.join(close_tags(tag))}?", stacklevel=2)
         return p, {"tag": tag, "format": "hf", "source": str(p), "sha256": cached_sha256(p, cache), "loaded_from": str(p)}
     e = ZOO[tag]
     if e.kind != kind:

@@ -31,11 +31,19 @@ def _sha(img: Image.Image) -> str:
     return hashlib.sha256(img.tobytes()).hexdigest()
 
 
+# Two recipes of this fixture were written from the presets as they stood, not from the official code, and the
+# official code differs: CODA-Prompt's CIFAR eval resizes the shorter side (``Resize(224)``, not a squash), and
+# zero-shot CLIP sends every image, training ones included, through CLIP's preprocess. Those two are checked against
+# the repositories' own code in test_preprocessing_reference.py; every other case here stands.
+SUPERSEDED = {("coda", False), ("clip", True)}
+
+
 @pytest.mark.parametrize("preset", sorted({c["preset"] for c in REF["cases"]}))
 def test_preset_outputs_equal_torchvision_byte_for_byte(preset):
     ims = _images()
     cases = [c for c in REF["cases"] if c["preset"] == preset]
     assert len(cases) == 4 * 13
+    cases = [c for c in cases if (preset, c["train"]) not in SUPERSEDED]
     bad = []
     for c in cases:
         g = None if c["seed"] is None else torch.Generator().manual_seed(c["seed"])

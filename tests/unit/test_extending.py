@@ -143,7 +143,7 @@ def test_a_backbone_and_a_method_from_a_test_module_run_through_the_pipeline(ass
     # tiny_config asks for l2p's augmentation, which this backbone's make_collate does not take
     with pytest.raises(ConfigError, match="data.train_transform: backbone kind test_resnet takes no augmentation preset"):
         preflight(load_config(path))
-    plan = preflight(load_config(path, ["data.train_transform=none", "data.eval_transform=none"]))
+    plan = preflight(load_config(path, ["data.train_transform=backbone", "data.eval_transform=backbone"]))
     assert plan.backbone.record["tag"] == "resnet_toy" and len(plan.backbone.record["sha256"]) == 64
     metrics = Pipeline(plan).run()
 

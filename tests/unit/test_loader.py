@@ -103,7 +103,7 @@ def test_a_sample_that_cannot_be_decoded_in_a_worker_is_one_line_naming_it(tmp_p
     write_split(tmp_path / "bad", samples, shard_size=5, label_space=[0, 1, 2])
     sp = open_split(tmp_path / "bad")
     with pytest.raises(DataError) as e:
-        list(eval_batches(sp, rank=0, world=1, batch_size=3, policy="sample", collate=_collate(sp, "none", False),
+        list(eval_batches(sp, rank=0, world=1, batch_size=3, policy="sample", collate=_collate(sp, "backbone", False),
                           num_workers=2))
     msg = str(e.value)
     assert "\n" not in msg and "sample p0006" in msg and "cannot decode" in msg
@@ -141,7 +141,7 @@ def test_a_stuck_worker_stops_the_stream_with_one_line_naming_the_split(split, s
                                     policy="sample", shuffle_buffer=1, collate=collate, aug_seed=11, num_workers=2,
                                     worker_timeout_s=2)
         else:
-            collate = _StuckInWorker(_collate(split, "none", False), "p0020")
+            collate = _StuckInWorker(_collate(split, "backbone", False), "p0020")
             batches = eval_batches(split, rank=0, world=1, batch_size=4, policy="sample", collate=collate,
                                    num_workers=2, worker_timeout_s=2)
         for b in batches:
@@ -214,7 +214,7 @@ def test_workers_persist_across_streams_and_take_each_streams_own_collate(split)
     from mcit.data.loader import shutdown_workers
 
     shutdown_workers()
-    a, b = _Tagged(_collate(split, "none", False), "a"), _Tagged(_collate(split, "l2p", True), "b")
+    a, b = _Tagged(_collate(split, "backbone", False), "a"), _Tagged(_collate(split, "l2p", True), "b")
     ev = lambda c, w: list(eval_batches(split, rank=0, world=1, batch_size=4, policy="sample", collate=c, num_workers=w))
     keys, tags, pids = _parts(ev(a, 2))
     assert len(keys) == 45 and set(tags) == {"a"} and len(pids - {str(os.getpid())}) == 2  # two workers did most
@@ -226,7 +226,7 @@ def test_workers_persist_across_streams_and_take_each_streams_own_collate(split)
     inline = list(train_batches(split, rank=0, world=1, batch_size=4, num_steps=12, skip_steps=0, seed=3,
                                 policy="sample", shuffle_buffer=5, collate=b, aug_seed=11, num_workers=0))
     assert all(torch.equal(x.pixel_values, y.pixel_values) for x, y in zip(tr, inline)) and len(tr) == len(inline)
-    c = _Tagged(_collate(split, "none", False), "c")
+    c = _Tagged(_collate(split, "backbone", False), "c")
     stream = iter(eval_batches(split, rank=0, world=1, batch_size=4, policy="sample", collate=c, num_workers=2))
     next(stream), next(stream)
     del stream  # abandoned with batches still in the workers: the next stream must not receive them
@@ -246,7 +246,7 @@ def test_a_collate_that_cannot_travel_gets_workers_of_its_own(split):
     from mcit.data.loader import WorkerPool, shutdown_workers
 
     shutdown_workers()
-    inner = _collate(split, "none", False)
+    inner = _collate(split, "backbone", False)
     closure = lambda samples, seed=None: inner(samples, seed)  # noqa: E731
     want = list(eval_batches(split, rank=0, world=1, batch_size=4, policy="sample", collate=inner))
     got = list(eval_batches(split, rank=0, world=1, batch_size=4, policy="sample", collate=closure, num_workers=2))

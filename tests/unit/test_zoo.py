@@ -202,8 +202,14 @@ def test_converted_vit_round_trips_through_an_hf_directory_and_the_backbone(tmp_
     with torch.no_grad():
         h = bb.encode(bb.embed(x)).double()  # blocks + final norm, the path every method takes
     assert (h - reference(x)).abs().max() < ATOL
-    assert bb.mean.flatten().tolist() == [0.0, 0.0, 0.0] and bb.std.flatten().tolist() == [1.0, 1.0, 1.0]
-    assert bb.resample == 3  # bicubic, as the papers' test-time resize
+    # the directory carries the tag's own pipeline (timm's: bicubic 248 + centre crop, mean / std 0.5), which a run
+    # without a preset uses; a preset's Normalize replaces the mean / std at load (MethodHost.load_models)
+    assert bb.mean.flatten().tolist() == [0.5, 0.5, 0.5] and bb.std.flatten().tolist() == [0.5, 0.5, 0.5]
+    assert bb.resample == 3
+    own, tag = ViTBackbone.own_preprocessing(out), tiny("vit_b16_in21k").preprocessing()
+    assert (own.size, own.resize, own.interpolation, own.mean, own.std) == (tag.size, 248, "bicubic", tag.mean, tag.std)
+    bb.use_normalization((0.0, 0.0, 0.0), (1.0, 1.0, 1.0))
+    assert bb.mean.flatten().tolist() == [0.0, 0.0, 0.0] and bb._cpu_mean_std[1].flatten().tolist() == [1.0, 1.0, 1.0]
 
 
 def test_wrong_checkpoints_give_the_listed_error(tmp_path):
@@ -225,8 +231,10 @@ def test_wrong_checkpoints_give_the_listed_error(tmp_path):
     torch.save(sd, tmp_path / "missing.pth")
     with pytest.raises(BackboneError, match=r"not a dino vit checkpoint for tag 'dino_vitb16': missing key 'norm.bias'"):
         Z.convert("dino_vitb16", tmp_path / "missing.pth", entry_override=tiny("dino_vitb16"))
-    with pytest.raises(BackboneError, match=r"unknown tag 'vit_b16_typo'; known tags: .*dino_vitb16"):
+    with pytest.raises(BackboneError, match=r"backbone.tag 'vit_b16_typo' is not a zoo tag \(known tags: .*dino_vitb16"):
         Z.entry("vit_b16_typo")
+    with pytest.raises(BackboneError, match=r"'vit_b16_augreg_in21k' is not a zoo tag \(did you mean vit_b16_in21k_augreg or "):
+        Z.entry("vit_b16_augreg_in21k")  # the words of a zoo tag in another order
 
 
 # -- OpenAI CLIP -----------------------------------------------------------------------------------------
@@ -423,3 +431,24 @@ def test_openai_clip_resolves_with_a_tokenizer_and_hf_dirs_are_checked_against_t
         Z.resolve("clip", "clip_vitl14_openai", str(clip_backbone), cache)
     with pytest.raises(BackboneError, match=r"'clip_vitb16_openai' is a clip backbone but backbone.kind is vit"):
         Z.resolve("vit", "clip_vitb16_openai", str(path), cache)
+
+
+def test_a_tag_that_is_not_a_zoo_tag_is_refused_on_an_original_file_and_the_close_tags_are_named(tmp_path):
+    """A typo in the tag (the words of a zoo tag in another order) on an original checkpoint file is refused before
+    anything is read; on a transformers directory it loads as it is, with a warning naming the zoo tag it looks like."""
+    original = tmp_path / "B_16-i21k.npz"
+    original.write_bytes(b"not read")
+    with pytest.raises(BackboneError, match=r"backbone.path .*B_16-i21k.npz is not a transformers directory, and "
+                                            r"backbone.tag 'vit_b16_augreg_in21k' is not a zoo tag \(did you mean "
+                                            r"vit_b16_in21k_augreg"):
+        Z.resolve("vit", "vit_b16_augreg_in21k", str(original), str(tmp_path / "cache"))
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    with pytest.warns(UserWarning, match=r"'vit_b16_augreg_in21k' is not a zoo tag.*did you mean vit_b16_in21k_augreg"):
+        Z.resolve("vit", "vit_b16_augreg_in21k", str(hf), str(tmp_path / "cache"))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a tag of one's own that resembles no zoo tag is not a typo
+        assert Z.resolve("vit", "my_lab_vit", str(hf), str(tmp_path / "cache"))[0] == hf
