@@ -102,7 +102,11 @@ class DataConfig(_Strict):
                                 "(mcit.data.transforms.PRESETS; the README's methods table names each method's): "
                                 "backbone (the default: the backbone's own inference pipeline, no augmentation), l2p, "
                                 "hide_cifar, coda, coda_imagenet, vpt_nsp2_cifar, vpt_nsp2_imagenet, vpt_nsp2_clip_cifar, "
-                                "vpt_nsp2_clip_imagenet, clip, star_cifar, star_imagenet_r, ...")
+                                "vpt_nsp2_clip_imagenet, clip, star_cifar, star_cifar_imagenet_norm, star_imagenet_r")
+    normalization: Literal["preset", "backbone"] = Field(
+        "preset", description="preset: the presets' own mean / std (the official code's, e.g. [0, 1] inputs in the "
+                              "l2p family); backbone: the presets' resize, crop and augmentation with the backbone's "
+                              "own mean / std (a backbone pre-trained on other inputs than the paper's)")
     eval_transform: str = Field("backbone", description="the preset whose evaluation pipeline test images go through; "
                                                         "its normalisation must be the training preset's")
     reference: str | None = Field(

@@ -234,6 +234,8 @@ def image_pipeline(cfg: RunConfig, backbone: ResolvedBackbone) -> tuple[Any, Any
     pre = preprocessing_of(backbone.kind, str(backbone.record.get("tag")), backbone.directory)
     if pre is None:
         return None, None
+    if cfg.data.normalization == "backbone":  # the named departure: the presets' geometry, the backbone's mean / std
+        return pre, (tuple(pre.mean), tuple(pre.std))
     train = normalization(cfg.data.train_transform, pre)
     evaluate = normalization(cfg.data.eval_transform, pre)
     if train != evaluate:

@@ -119,11 +119,12 @@ def tiny_config(assets: dict[str, Path], tmp: Path, name: str = "tiny", **sectio
         "run_dir": str(tmp / "runs" / name),
         "seed": 0,
         "backbone": {"kind": "vit", "path": str(assets["backbone"]), "tag": "tiny_test_vit"},
-        # l2p-pytorch's augmentation, collated in the training process: the runs that compare with the
+        # l2p-pytorch's augmentation with the tiny ViT's own mean / std (data.normalization: backbone; it was
+        # pre-trained on [-1, 1] inputs), collated in the training process: the runs that compare with the
         # reference run (2 loader workers per rank, the default) show that the worker count changes nothing,
         # and the suite's other runs do not pay for starting workers on CI's 2 cores
         "data": {"root": str(assets["shards"]), "tasks": ["task0", "task1", "task2"], "train_transform": "l2p",
-                 "eval_transform": "l2p", "num_workers": 0},
+                 "eval_transform": "l2p", "normalization": "backbone", "num_workers": 0},
         "method": {"name": "l2p"},
         "train": {"epochs": 2, "batch_size": 16, "lr": 0.05, "checkpoint_every": 3, "log_every": 2,
                   "progress": False, "deepspeed_config": "deepspeed_configs/zero2.json"},

@@ -1,18 +1,24 @@
-"""Image augmentation presets: each official code base's train and eval recipe, on PIL and torch only.
+"""Image preprocessing presets: each official code base's train and eval pipeline for a data set, normalisation
+included, and the backbone's own inference pipeline, on PIL and torch only.
 
 Why here and not torchvision: torchvision cannot be installed beside the CPU torch these machines use
-(``../shared/PLATFORM.md``), and the papers' numbers depend on the exact recipe (a random-resized crop
-with scale (0.05, 1) in l2p-pytorch and its descendants, torchvision's default (0.08, 1) in CODA-Prompt and
-mammoth, AutoAugment before the crop in VPT-NSP²). Each step draws its random numbers in torchvision's order
-and with its formulas, from a generator seeded per sample (``sample_generator``): the augmentation a sample
-gets depends only on the run's seed, the task, the epoch and the sample's key, never on the rank, the loader
-worker or whether the run was resumed. ``tests/reference/test_transforms_reference.py`` compares every step
-with torchvision 0.28 on fixed images and seeds.
+(``../shared/PLATFORM.md``), and the papers' numbers depend on the exact pipeline (a random-resized crop with
+scale (0.05, 1) in l2p-pytorch and its descendants, torchvision's default (0.08, 1) in CODA-Prompt, HiDe-Prompt's
+CIFAR recipe and mammoth, AutoAugment before the crop in VPT-NSP²; [0, 1] inputs in the l2p family, CODA-Prompt
+and STAR-Prompt's mammoth, CIFAR-100 statistics in HiDe-Prompt's and NoRGa's CIFAR recipe, timm's mean / std of
+the model in VPT-NSP²). Each step draws its random numbers in torchvision's order and with its formulas, from a
+generator seeded per sample (``sample_generator``): the augmentation a sample gets depends only on the run's seed,
+the task, the epoch and the sample's key, never on the rank, the loader worker or whether the run was resumed.
+``tests/reference/test_transforms_reference.py`` compares every step with torchvision 0.28 on fixed images and
+seeds; ``tests/reference/test_preprocessing_reference.py`` compares every shipped CIL config's train and eval
+pipeline with the official repository's own transform code.
 
-A preset is a name valid for ``data.train_transform`` and ``data.eval_transform``; the size is the
-backbone's input size (224 in the papers). The backbone's own preprocessing (resize to its input size when
-the image is not already that size, then the checkpoint's mean / std) runs after the preset.
+A preset is a name valid for ``data.train_transform`` and ``data.eval_transform``; the size is the backbone's
+input size (224 in the papers). Its ``normalize`` becomes the backbone's mean / std for the run
+(``mcit.preflight.image_pipeline``; the train and eval presets must agree). ``backbone``, the default, is the
+backbone's own pipeline (``BackbonePreprocessing``: its zoo tag's release, or its directory's image processor).
 """
+
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ never a kind name, what it needs:
   ``load_options``;
 * ``make_collate(split, task, train=..., label_index=...)``: how raw samples become a ``Batch``
   (``collate(samples, seed=None)``); a backbone that accepts a ``transform`` argument takes the
-  ``data.train_transform`` / ``data.eval_transform`` presets (pre-flight refuses a preset otherwise).
+  ``data.train_transform`` / ``data.eval_transform`` presets (pre-flight refuses any but ``backbone`` otherwise).
 
 Adding a backbone is one new file in ``mcit/models/`` (docs/architecture.md, "Adding a backbone").
 

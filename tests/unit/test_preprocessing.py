@@ -66,3 +66,6 @@ def test_train_and_eval_presets_must_normalise_alike(tmp_path):
     cfg = load_config(cfg_path, ["data.train_transform=backbone", "data.eval_transform=backbone"])
     assert image_pipeline(cfg, ResolvedBackbone("vit", str(tmp_path / "x"), {"tag": "vit_b16_in21k"}))[1] == \
         ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))
+    cfg = load_config(cfg_path, ["data.normalization=backbone"])  # the named option: l2p's crops, the ViT's mean / std
+    assert image_pipeline(cfg, ResolvedBackbone("vit", str(tmp_path / "x"), {"tag": "vit_b16_in21k"}))[1] == \
+        ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))

@@ -209,7 +209,11 @@ def test_converted_vit_round_trips_through_an_hf_directory_and_the_backbone(tmp_
     own, tag = ViTBackbone.own_preprocessing(out), tiny("vit_b16_in21k").preprocessing()
     assert (own.size, own.resize, own.interpolation, own.mean, own.std) == (tag.size, 248, "bicubic", tag.mean, tag.std)
     bb.use_normalization((0.0, 0.0, 0.0), (1.0, 1.0, 1.0))
-    assert bb.mean.flatten().tolist() == [0.0, 0.0, 0.0] and bb._cpu_mean_std[1].flatten().tolist() == [1.0, 1.0, 1.0]
+    assert bb.mean.flatten().tolist() == [0.0, 0.0, 0.0] and bb.std.flatten().tolist() == [1.0, 1.0, 1.0]
+    from PIL import Image
+
+    white = Image.new("RGB", (bb.image_size, bb.image_size), (255, 255, 255))
+    assert bb.preprocess([white]).flatten().unique().tolist() == [1.0]  # the collate normalises with it too
 
 
 def test_wrong_checkpoints_give_the_listed_error(tmp_path):
