@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -52,14 +53,15 @@ def _randint(g: torch.Generator, lo: int, hi: int) -> int:
 # A random step draws its parameters (``draw``) and applies them (``apply``) separately, so a test can apply
 # the parameters the official code drew; calling a step does both.
 
-class _Step:
+class _Step(ABC):
     random = False
 
     def draw(self, img: Any, g: torch.Generator | None) -> Any:
         return None
 
+    @abstractmethod
     def apply(self, img: Any, params: Any) -> Any:
-        raise NotImplementedError
+        """The step on ``img`` with drawn ``params`` (None for a deterministic step)."""
 
     def __call__(self, img: Any, g: torch.Generator | None = None) -> Any:
         return self.apply(img, self.draw(img, g) if self.random else None)
