@@ -65,6 +65,7 @@ def main() -> int:
     from mcit.data.types import TaskSequence
     from mcit.engine import TaskTrainer, data_seed, on_optimizer_step
     from mcit.models.base import load_backbone
+    from mcit.preflight import ResolvedBackbone, image_pipeline
     from mcit.registry import METHODS
 
     overrides = [f"train.epochs={args.epochs}", "train.grad_accum=1", "train.progress=false",
@@ -91,8 +92,8 @@ def main() -> int:
     splits = [open_split(str(Path(cfg.data.root) / n / "train")) for n in names]
     seq = TaskSequence.from_label_spaces(names, [s.label_space for s in splits])
     split, task, B = splits[0], 0, cfg.train.batch_size
-    own = type(backbone).own_preprocessing(cfg.backbone.path)  # the run's pipeline, as pre-flight builds it
-    norm = transforms.normalization(cfg.data.train_transform, own)
+    # the run's pipeline and normalisation, decided as pre-flight decides them
+    own, norm = image_pipeline(cfg, ResolvedBackbone(cfg.backbone.kind, cfg.backbone.path, {"tag": cfg.backbone.tag}))
     if norm is not None:
         backbone.use_normalization(*norm)
     transform = transforms.build(cfg.data.train_transform, train=True, size=getattr(backbone, "image_size", 0),

@@ -30,8 +30,10 @@ from typing import Any, Callable
 
 import torch
 
-# PIL's resampling codes (Image.Resampling), the names torchvision's InterpolationMode uses.
-_PIL_FILTER = {"nearest": 0, "bilinear": 2, "bicubic": 3}
+# PIL's resampling codes (Image.Resampling), by the names torchvision's InterpolationMode uses; and back (the
+# ``resample`` of a transformers image processor's config is the code).
+PIL_FILTER = {"nearest": 0, "bilinear": 2, "bicubic": 3}
+FILTER_NAME = {code: name for name, code in PIL_FILTER.items()}
 
 
 def sample_generator(seed: int, key: str) -> torch.Generator:
@@ -103,7 +105,7 @@ class RandomResizedCrop(_Step):
 
     def apply(self, img: Any, box: tuple[int, int, int, int]) -> Any:
         top, left, h, w = box
-        return img.crop((left, top, left + w, top + h)).resize((self.size, self.size), _PIL_FILTER[self.interpolation])
+        return img.crop((left, top, left + w, top + h)).resize((self.size, self.size), PIL_FILTER[self.interpolation])
 
     def describe(self) -> dict[str, Any]:
         return {"op": "RandomResizedCrop", "size": [self.size, self.size], "scale": list(self.scale),
@@ -143,7 +145,7 @@ class Resize(_Step):
             new_h, new_w = self.size
         if (new_w, new_h) == (w, h):
             return img
-        return img.resize((new_w, new_h), _PIL_FILTER[self.interpolation])
+        return img.resize((new_w, new_h), PIL_FILTER[self.interpolation])
 
     def describe(self) -> dict[str, Any]:
         return {"op": "Resize", "size": self.size if isinstance(self.size, int) else list(self.size),
@@ -243,7 +245,7 @@ def _affine(img: Any, *, angle: float = 0.0, translate: tuple[int, int] = (0, 0)
     m[2] += m[0] * (-cx - tx) + m[1] * (-cy - ty) + cx
     m[5] += m[3] * (-cx - tx) + m[4] * (-cy - ty) + cy
     fill = tuple([0] * len(img.getbands())) if len(img.getbands()) > 1 else 0
-    return img.transform(img.size, Image.AFFINE, m, _PIL_FILTER[interpolation], fillcolor=fill)
+    return img.transform(img.size, Image.AFFINE, m, PIL_FILTER[interpolation], fillcolor=fill)
 
 
 def apply_op(img: Any, op: str, magnitude: float, interpolation: str) -> Any:
@@ -259,7 +261,7 @@ def apply_op(img: Any, op: str, magnitude: float, interpolation: str) -> Any:
         return _affine(img, translate=(0, int(magnitude)), interpolation=interpolation)
     if op == "Rotate":
         fill = tuple([0] * len(img.getbands())) if len(img.getbands()) > 1 else 0
-        return img.rotate(magnitude, _PIL_FILTER[interpolation], False, None, fillcolor=fill)
+        return img.rotate(magnitude, PIL_FILTER[interpolation], False, None, fillcolor=fill)
     enhance = {"Brightness": ImageEnhance.Brightness, "Color": ImageEnhance.Color,
                "Contrast": ImageEnhance.Contrast, "Sharpness": ImageEnhance.Sharpness}
     if op in enhance:
@@ -421,8 +423,7 @@ class BackbonePreprocessing:
         """From a transformers ``preprocessor_config.json``: ``size: {shortest_edge}`` with ``do_center_crop``
         and ``crop_size`` (CLIP's processor) is a resize of the shorter side and a centre crop; ``size:
         {height, width}`` (ViT's) resizes the whole image; missing keys keep ``default``'s."""
-        names = {0: "nearest", 2: "bilinear", 3: "bicubic"}
-        interpolation = names.get(int(cfg.get("resample", -1)), default.interpolation)
+        interpolation = FILTER_NAME.get(int(cfg.get("resample", -1)), default.interpolation)
         mean = tuple(float(v) for v in cfg.get("image_mean", default.mean))
         std = tuple(float(v) for v in cfg.get("image_std", default.std))
         sz = cfg.get("size")
@@ -546,10 +547,10 @@ def _preset(name: str) -> Preset:
 
 
 def to_tensor(images: list[Any], mean: tuple[float, ...] | list[float], std: tuple[float, ...] | list[float]) -> torch.Tensor:
-    """PIL images of one size -> (B, 3, H, W) float32: torchvision's ToTensor (x / 255) then Normalize(mean, std)."""
+    """RGB PIL images of one size -> (B, 3, H, W) float32: torchvision's ToTensor (x / 255) then Normalize(mean, std)."""
     import numpy as np
 
-    x = torch.from_numpy(np.stack([np.asarray(im.convert("RGB"), dtype=np.float32) / 255.0 for im in images]))
+    x = torch.from_numpy(np.stack([np.asarray(im, dtype=np.float32) / 255.0 for im in images]))
     x = x.permute(0, 3, 1, 2)
     m = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
     s = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)

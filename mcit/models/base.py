@@ -251,9 +251,11 @@ class PromptableImageEncoder(Backbone):
         except Exception as e:  # noqa: BLE001 - surface as one line naming the path
             name = cls.__name__.removesuffix("Backbone") or cls.__name__
             raise BackboneError(f"cannot load {name} backbone from {path}: {str(e).splitlines()[0]}") from None
+        from mcit.data.transforms import PIL_FILTER
+
         own = cls.own_preprocessing(path)
         bb = cls(model, image_mean=list(own.mean), image_std=list(own.std), **extras)
-        bb.resample = {"nearest": 0, "bilinear": 2, "bicubic": 3}[own.interpolation]  # the checkpoint's filter
+        bb.resample = PIL_FILTER[own.interpolation]  # the checkpoint's filter
         return bb
 
     @classmethod
@@ -261,7 +263,7 @@ class PromptableImageEncoder(Backbone):
         """The checkpoint directory's own inference pipeline, read without loading weights: its
         ``preprocessor_config.json`` (resize, crop, filter, mean / std), the input size from ``config.json``,
         and the class's defaults where the directory says nothing."""
-        from mcit.data.transforms import BackbonePreprocessing
+        from mcit.data.transforms import FILTER_NAME, BackbonePreprocessing
 
         p = Path(path)
         try:
@@ -269,8 +271,7 @@ class PromptableImageEncoder(Backbone):
         except (OSError, json.JSONDecodeError):
             cfg = {}
         size = int((cfg.get("vision_config") or cfg).get("image_size", 224))
-        names = {0: "nearest", 2: "bilinear", 3: "bicubic"}
-        default = BackbonePreprocessing(size, None, names[cls.resample], tuple(cls.default_mean), tuple(cls.default_std),
+        default = BackbonePreprocessing(size, None, FILTER_NAME[cls.resample], tuple(cls.default_mean), tuple(cls.default_std),
                                         f"{cls.__name__} defaults")
         proc = read_preprocessor(p) if p.is_dir() else {}
         if not proc:

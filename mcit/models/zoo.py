@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mcit.data.transforms import BackbonePreprocessing
+from mcit.data.transforms import PIL_FILTER, BackbonePreprocessing
 from mcit.models.base import BackboneError
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -554,7 +554,7 @@ def export_hf(conv: Converted, out: Path, tokenizer: Path | None = None) -> Path
     pre = e.preprocessing()
     (tmp / "preprocessor_config.json").write_text(json.dumps({  # transformers' CLIP image processor keys
         "image_mean": list(pre.mean), "image_std": list(pre.std), "do_normalize": True, "do_rescale": True,
-        "resample": {"nearest": 0, "bilinear": 2, "bicubic": 3}[pre.interpolation], "do_resize": True,
+        "resample": PIL_FILTER[pre.interpolation], "do_resize": True,
         "size": {"shortest_edge": pre.resize or pre.size}, "do_center_crop": True,
         "crop_size": {"height": pre.size, "width": pre.size}}, indent=1))
     if tokenizer is not None:  # CLIP: the text side's tokenizer files (the OpenAI file has none)
@@ -629,11 +629,12 @@ def resolve(kind: str, tag: str, path: str, cache_dir: str, tokenizer: str | Non
             if not p.exists():
                 raise BackboneError(f"backbone path not found: {p} (and {_unknown(tag)})")
             raise BackboneError(f"backbone.path {p} is not a transformers directory, and {_unknown(tag)}")
-        if close_tags(tag):
+        close = close_tags(tag)
+        if close:
             import warnings
 
             warnings.warn(f"backbone.tag {tag!r} is not a zoo tag, so {p} loads as it is, with no architecture check and its "
-                 f"own preprocessor config; did you mean {' or '.join(close_tags(tag))}?", stacklevel=2)
+                          f"own preprocessor config; did you mean {' or '.join(close)}?", stacklevel=2)
         return p, {"tag": tag, "format": "hf", "source": str(p), "sha256": cached_sha256(p, cache), "loaded_from": str(p)}
     e = ZOO[tag]
     if e.kind != kind:
