@@ -43,7 +43,7 @@ def main() -> int:
     ap.add_argument("--workers", type=int, nargs="+", default=[0, 2], help="data.num_workers values to time")
     ap.add_argument("--epochs", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--transform", default=None, help="data.train_transform (default: the config's)")
+    ap.add_argument("--transform", default=None, help="data.train_transform and eval_transform (default: the config's)")
     ap.add_argument("--checkpoint-every", type=int, default=None, help="step checkpoints in the stage (default off)")
     ap.add_argument("--vit-b16", action="store_true",
                     help="a randomly initialised ViT-B/16 (224 px) instead of the tiny pre-trained ViT: the images "
@@ -71,7 +71,7 @@ def main() -> int:
     overrides = [f"train.epochs={args.epochs}", "train.grad_accum=1", "train.progress=false",
                  f"train.checkpoint_every={args.checkpoint_every or 10**9}", *args.overrides]
     if args.transform:
-        overrides.append(f"data.train_transform={args.transform}")
+        overrides += [f"data.train_transform={args.transform}", f"data.eval_transform={args.transform}"]  # one normalisation
     vit_dir = None
     if args.vit_b16:
         from bench.engine_throughput import save_random_vit_b16
