@@ -57,7 +57,7 @@ demo: data
 	  echo "== deepspeed --num_gpus $(NPROC) pipelines/run_task_sequence.py --config $$c"; \
 	  $(RUN) deepspeed --log_level=error --num_gpus $(NPROC) pipelines/run_task_sequence.py --config $$c || exit 1; \
 	done
-	$(BIN)/python -m mcit.report --zero-shot-of runs/tiny_mcit_lora $(foreach c,$(DEMO_CONFIGS),runs/$(basename $(notdir $(c))))
+	$(BIN)/python -m mcit.cli.report --zero-shot-of runs/tiny_mcit_lora $(foreach c,$(DEMO_CONFIGS),runs/$(basename $(notdir $(c))))
 
 # The MCIT study behind the README's table (about 35 minutes here): every demo method's learning rate and
 # Fwd-Prompt's ablations, 3 seeds each, judged on a validation carve of the training data; then the chosen
@@ -67,7 +67,7 @@ study-mcit: data
 	@for s in $(MCIT_SELECTION) tiny_mcit_seeds; do \
 	  $(RUN) $(BIN)/python -m pipelines.sweep --spec configs/sweeps/$$s.yaml --nproc $(NPROC) || exit 1; \
 	done
-	$(BIN)/python -m mcit.study --selection $(foreach s,$(MCIT_SELECTION),runs/sweeps/$(s)) \
+	$(BIN)/python -m mcit.cli.study --selection $(foreach s,$(MCIT_SELECTION),runs/sweeps/$(s)) \
 	  --final runs/sweeps/tiny_mcit_seeds --out docs/mcit_study
 
 # The class-incremental demo: digits shards, the tiny ViT pre-trained on procedural shapes, every CIL method
@@ -79,7 +79,7 @@ demo-cil: data-cil
 	  echo "== deepspeed --num_gpus $(NPROC) pipelines/run_task_sequence.py --config $$c"; \
 	  $(RUN) deepspeed --log_level=error --num_gpus $(NPROC) pipelines/run_task_sequence.py --config $$c || exit 1; \
 	done
-	$(BIN)/python -m mcit.report $(foreach c,$(CIL_CONFIGS),runs/$(basename $(notdir $(c))))
+	$(BIN)/python -m mcit.cli.report $(foreach c,$(CIL_CONFIGS),runs/$(basename $(notdir $(c))))
 
 # The CIL comparison judged on means: every embedded CIL method over CIL_SEEDS (3 seeds: 48 runs of 2 CPU ranks,
 # about 40 minutes here), then mean ± std per method in runs/sweeps/cil_seeds/aggregate.md. One seed alone does

@@ -3,7 +3,7 @@
 
 Same model (the demo's frozen tiny ViT + L2P prompts/keys/head), same batches (task0 of the embedded
 digits benchmark, decoded once into memory), same optimizer (Adam). The engine path is exactly what
-the train stage runs per step: ``mcit.engine.setup_engine`` + ``mcit.engine.train_step`` (DeepSpeed
+the train stage runs per step: ``mcit.run.engine.setup_engine`` + ``mcit.run.engine.train_step`` (DeepSpeed
 ZeRO-2, valid-weighted loss, and the non-finite guard: one all-reduce of the loss and a host sync per
 micro-batch). The two paths alternate every few steps to share the machine's noise; the headline is
 the median of the per-round paired ratios (target >= 0.95); medians and best rounds are printed too.
@@ -27,16 +27,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def save_random_vit_b16(path: str) -> None:
-    """A randomly initialised ViT-B/16 (224 px, 12 x 768), the size the CIL papers use, saved where
-    ``backbone.path`` can point: throughput at real size needs no pre-trained weights."""
-    import torch
-    from transformers import ViTConfig, ViTModel
-
-    torch.manual_seed(0)
-    ViTModel(ViTConfig(image_size=224, patch_size=16), add_pooling_layer=False).save_pretrained(path)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=str(ROOT / "configs" / "digits_l2p.yaml"))
@@ -53,17 +43,12 @@ def main() -> int:
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
     os.chdir(ROOT)
 
-
-    from data_prep.digits import build
-    from data_prep.pretrain_vit import pretrain
-    from mcit import distributed as dist
-    from mcit.config import load_config
+    from mcit.core import distributed as dist
     from mcit.data.loader import eval_batches
-    from mcit.data.shards import open_split
-    from mcit.engine import finite_loss_guard, setup_engine, train_step
-    from mcit.data.types import Batch, TaskSequence
-    from mcit.models.base import load_backbone
-    from mcit.registry import METHODS
+    from mcit.data.types import Batch
+    from mcit.run.engine import finite_loss_guard, setup_engine, train_step
+
+    from bench.host import build_host, save_random_vit_b16
 
     overrides = [f"train.batch_size={args.batch}", f"train.deepspeed_config={args.ds_config}", "train.grad_accum=1"]
     tmp = None
@@ -72,32 +57,22 @@ def main() -> int:
 
         tmp = tempfile.TemporaryDirectory()
         save_random_vit_b16(tmp.name)
-        overrides.append(f"backbone.path={tmp.name}")
-    cfg = load_config(args.config, overrides)
-    build(Path(cfg.data.root))
-    if not args.vit_b16:
-        pretrain(Path(cfg.backbone.path))
-    dist.init()
-    device = dist.device()
-    backbone = load_backbone("vit", cfg.backbone.path)
-    names = [t if isinstance(t, str) else t.name for t in cfg.data.tasks]
-    splits = [open_split(Path(cfg.data.root) / n / "train") for n in names]
-    seq = TaskSequence.from_label_spaces(names, [s.label_space for s in splits])
-    data = list(eval_batches(splits[0], rank=0, world=1, batch_size=args.batch, policy="sample",
-                             collate=backbone.make_collate(splits[0], 0, train=False,
-                                                           label_index=seq.label_to_index())))
+        overrides += [f"backbone.path={tmp.name}", "backbone.tag=local"]
+    plan, host, run_dir = build_host(args.config, overrides)
+    cfg, device = plan.cfg, dist.device()
+    # task 0's training samples as the eval stage collates them (no augmentation), decoded once into memory
+    data = list(eval_batches(plan.train[0], rank=0, world=1, batch_size=args.batch, policy="sample",
+                             collate=host.collate(0, train=True, augment=False)))
     data = [b.to(device) for b in data if len(b) == args.batch]
     batches = [data[i % len(data)] for i in range(args.steps)]
 
     def fresh():
-        torch.manual_seed(0)
-        m = METHODS.get(cfg.method.name)(cfg.method.params(), backbone, seq)
-        m.before_task(0)
-        return m.to(device)
+        """A freshly built method at the start of task 0's (first) train stage, as the pipeline has it."""
+        host.build()
+        return host.begin_train(0, host.method_cls.phases[0])
 
     # Both paths stay alive and alternate every ``--chunk`` steps, so slow phases of a noisy machine
     # hit both alike; each round reports the throughput of its own chunks.
-    backbone.to(device)
     bare_m = fresh().train()
     opt = torch.optim.Adam(bare_m.trainable_parameters(), lr=cfg.train.lr)
     eng, _ = setup_engine(cfg, fresh(), 1)
@@ -142,7 +117,7 @@ def main() -> int:
     eng.destroy()
     b, e = statistics.median(bare_rates), statistics.median(eng_rates)
     bb, eb = max(bare_rates), max(eng_rates)
-    print(f"model: frozen ViT ({backbone.num_layers} layers, hidden {backbone.hidden_size}) + {cfg.method.name}; "
+    print(f"model: frozen ViT ({host.backbone.num_layers} layers, hidden {host.backbone.hidden_size}) + {cfg.method.name}; "
           f"batch {args.batch}; {args.steps} steps x {args.rounds} rounds; threads {torch.get_num_threads()}; "
           f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}")
     if device.type == "cuda":
@@ -154,12 +129,13 @@ def main() -> int:
     print(f"ratio of medians  : {e / b:.3f}")
     print(f"ratio engine / bare = {paired:.3f}  (median of the per-round paired ratios; target >= 0.95)")
     dist.shutdown()
+    run_dir.cleanup()
     if tmp is not None:
         tmp.cleanup()
     return 0
 
 
 if __name__ == "__main__":
-    from mcit.distributed import exit_process
+    from mcit.core.distributed import exit_process
 
     exit_process(main())

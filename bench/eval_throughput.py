@@ -5,7 +5,7 @@ Same model (the config's multimodal backbone in its zero-shot state: the method'
 pipeline's zero-shot row, so transformers' own ``generate`` computes the same thing), same prompts (the test
 splits' samples, collated once before timing by the pipeline's own collate for the bare paths):
 
-* pipeline: ``mcit.evaluation.evaluate_generation`` as the eval stage runs it: shards read, decoded and
+* pipeline: ``mcit.run.evaluation.evaluate_row`` as the eval stage runs it: shards read, decoded and
   collated by ``data.num_workers`` loader workers, the method's ``generate`` (batched greedy decoding with the
   KV cache), scoring, gathering and the answers file written.
 * bare batched: ``model.generate(input_ids, pixel_values, attention_mask)`` of the transformers model on the
@@ -52,34 +52,17 @@ def main() -> int:
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
     os.chdir(ROOT)
 
-    from mcit import distributed as dist
-    from mcit.config import load_config
+    from mcit.core import distributed as dist
     from mcit.data.loader import eval_batches
-    from mcit.data.shards import open_split
-    from mcit.data.types import TaskSequence
-    import mcit.evaluation as evaluation
-    from mcit.models.base import load_backbone
-    from mcit.registry import METHODS
+    from mcit.run.evaluation import evaluate_row
 
-    cfg = load_config(args.config, args.overrides)
-    if ROOT / cfg.data.root == ROOT / "data/shards/tiny_mcit":  # the embedded benchmark and backbone: built here if missing
-        from data_prep.pretrain_tiny_llava import pretrain
-        from data_prep.tiny_mcit import build
+    from bench.host import build_host
 
-        build(Path(cfg.data.root))
-        if ROOT / cfg.backbone.path == ROOT / "data/backbones/tiny_llava":
-            pretrain(Path(cfg.data.root), Path(cfg.backbone.path))
-    dist.init()
-    device = dist.device()
-    backbone = load_backbone(cfg.backbone.kind, cfg.backbone.path)
-    backbone.to(device)
-    names = [t if isinstance(t, str) else t.name for t in cfg.data.tasks]
-    tests = [open_split(str(Path(cfg.data.root) / n / "test")) for n in names]
-    seq = TaskSequence.from_label_spaces(names, [s.label_space for s in tests])
-    scorers = [s.manifest.get("scorer") or "exact_match" for s in tests]
-    collates = [backbone.make_collate(s, i, train=False, label_index=seq.label_to_index()) for i, s in enumerate(tests)]
-    torch.manual_seed(cfg.seed)
-    method = METHODS.get(cfg.method.name)(cfg.method.params(), backbone, seq).to(device)
+    plan, host, run_dir = build_host(args.config, args.overrides)
+    cfg, device = plan.cfg, dist.device()
+    backbone, tests = host.backbone, plan.test
+    collates = [host.collate(i, train=False) for i in range(len(tests))]
+    method = host.build()
     B, T = cfg.eval.batch_size, cfg.eval.max_new_tokens
     n = sum(s.num_samples for s in tests)
 
@@ -108,12 +91,10 @@ def main() -> int:
 
     def pipeline() -> tuple[float, dict[str, str]]:
         spans.clear()
-        with tempfile.TemporaryDirectory() as answers, method.zero_shot():
+        with tempfile.TemporaryDirectory() as answers, host.zero_shot():
             sync()
             t0 = time.perf_counter()
-            evaluation.evaluate_generation(method, tests, batch_size=B, policy=cfg.data.split, collates=collates,
-                                           scorers=scorers, max_new_tokens=T, num_workers=cfg.data.num_workers,
-                                           answers_dir=Path(answers))
+            evaluate_row(host, trained=0, answers_dir=Path(answers), desc="bench")  # the eval stage's zero-shot row
             sync()
             dt = time.perf_counter() - t0
             rows = [json.loads(line) for f in sorted(Path(answers).glob("*.jsonl")) for line in open(f)]
@@ -178,10 +159,11 @@ def main() -> int:
     print(f"ratio bare batched / bare per question = {statistics.median(y / x for x, y in zip(b, s)):.2f}  "
           f"(what batching itself gives on this device and model: the pipeline's ceiling against per question)")
     dist.shutdown()
+    run_dir.cleanup()
     return 0
 
 
 if __name__ == "__main__":
-    from mcit.distributed import exit_process
+    from mcit.core.distributed import exit_process
 
     exit_process(main())

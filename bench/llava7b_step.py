@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from mcit.data.types import TaskSequence
     from mcit.models.mllm import build_empty, llava_config
-    from mcit.registry import METHODS
+    from mcit.core.registry import METHODS
 
     seq = TaskSequence.from_label_spaces(["t"], [[]])
     cls = METHODS.get(args.method)
@@ -60,9 +60,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import LlavaForConditionalGeneration
 
-    from mcit import distributed as dist
-    from mcit.config import validate_config
-    from mcit.engine import setup_engine, train_step
+    from mcit.core import distributed as dist
+    from mcit.core.config import validate_config
+    from mcit.run.engine import setup_engine, train_step
     from mcit.data.types import Batch
     from mcit.models.mllm import MLLMBackbone, quantization_config
 
@@ -174,6 +174,6 @@ def time_generation(method, model, batch, new_tokens: int, vocab: int, rounds: i
 
 
 if __name__ == "__main__":
-    from mcit.distributed import exit_process
+    from mcit.core.distributed import exit_process
 
     exit_process(main())

@@ -37,7 +37,7 @@ def _batches(dim: int, tokens: int, samples: int, batch: int, seed: int = 0):
 def worker(mode: str, dim: int, tokens: int, samples: int, batch: int, eps: float) -> dict:
     import torch
 
-    from mcit.subspace import energy_basis, token_covariance
+    from mcit.core.subspace import energy_basis, token_covariance
 
     torch.set_num_threads(1)  # one thread, one malloc arena (see main): a steadier peak-RSS reading
     torch.zeros(1 << 16) @ torch.zeros(1 << 16)  # warm the allocator before the baseline reading

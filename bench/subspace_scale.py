@@ -2,7 +2,7 @@
 """The subspace stage at LLaVA scale: d = 4096, 10^6 tokens streamed through the stage's own code.
 
 Batches of synthetic token embeddings (a decaying spectrum, the backbone's dtype, made on the device one
-batch at a time, as the frozen embedding layer would give them) go through ``mcit.subspace.stream_statistics``
+batch at a time, as the frozen embedding layer would give them) go through ``mcit.run.subspace_stage.stream_statistics``
 with a minimal statistics holder: per batch ``token_covariance`` on the device, the float64 sum on the
 CPU, the all-reduce, ``energy_basis`` (eigh of the d x d covariance) on rank 0, the broadcast and the
 per-rank digest check -- exactly the stage's path. It prints the time of the streaming part and of the
@@ -47,13 +47,13 @@ class _Holder:
         self.eps, self.basis, self.decompose_s = eps, torch.zeros(0, 0), 0.0
 
     def statistics(self, batch: tuple[Any, Any]) -> dict[str, Any]:
-        from mcit.subspace import token_covariance
+        from mcit.core.subspace import token_covariance
 
         cov, n = token_covariance(*batch)
         return {"cov": cov, "n": n}
 
     def finalize_statistics(self, sums: dict[str, Any], task: int) -> None:
-        from mcit.subspace import energy_basis
+        from mcit.core.subspace import energy_basis
 
         t0 = time.perf_counter()
         self.basis = energy_basis(sums["cov"] / sums["n"], self.eps).float()
@@ -80,8 +80,8 @@ def main() -> int:
 
     import torch
 
-    from mcit import distributed as dist
-    from mcit.subspace import stream_statistics
+    from mcit.core import distributed as dist
+    from mcit.run.subspace_stage import stream_statistics
 
     dist.init()
     device = dist.device()
@@ -114,6 +114,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    from mcit.distributed import exit_process
+    from mcit.core.distributed import exit_process
 
     exit_process(main())

@@ -5,7 +5,7 @@ Same model (the config's frozen backbone + method, built fresh from one seed for
 (the stage's own samples, order, padding and augmentation draws: the bare loop's batches are collated once,
 before timing, by the same ``train_epochs`` with the stage's seeds) and the same number of optimizer steps.
 
-* stage: ``mcit.engine.TaskTrainer.train`` on task 0 as the pipeline runs it: shards read, decoded, augmented
+* stage: ``mcit.run.engine.TaskTrainer.train`` on task 0 as the pipeline runs it: shards read, decoded, augmented
   (``data.train_transform``) and collated by ``data.num_workers`` loader workers (or in the training process
   with 0), DeepSpeed ZeRO-2 with the non-finite guard, logging. Step checkpoints are off unless
   ``--checkpoint-every`` is given (the bare loop writes none).
@@ -25,6 +25,7 @@ workers).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -55,18 +56,11 @@ def main() -> int:
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
     os.chdir(ROOT)
 
-    from data_prep.digits import build
-    from data_prep.pretrain_vit import pretrain
-    from mcit import distributed as dist
-    from mcit.config import load_config
-    from mcit.data import transforms
+    from mcit.core import distributed as dist
     from mcit.data.loader import Epoch, micro_steps_per_epoch, train_epochs
-    from mcit.data.shards import open_split
-    from mcit.data.types import TaskSequence
-    from mcit.engine import TaskTrainer, data_seed, on_optimizer_step
-    from mcit.models.base import load_backbone
-    from mcit.preflight import ResolvedBackbone, image_pipeline
-    from mcit.registry import METHODS
+    from mcit.run.engine import TaskTrainer, data_seed, on_optimizer_step
+
+    from bench.host import build_host, save_random_vit_b16
 
     overrides = [f"train.epochs={args.epochs}", "train.grad_accum=1", "train.progress=false",
                  f"train.checkpoint_every={args.checkpoint_every or 10**9}", *args.overrides]
@@ -74,32 +68,13 @@ def main() -> int:
         overrides += [f"data.train_transform={args.transform}", f"data.eval_transform={args.transform}"]  # one normalisation
     vit_dir = None
     if args.vit_b16:
-        from bench.engine_throughput import save_random_vit_b16
-
         vit_dir = tempfile.TemporaryDirectory()
         save_random_vit_b16(vit_dir.name)
-        overrides.append(f"backbone.path={vit_dir.name}")
-    cfg = load_config(args.config, overrides)
-    if ROOT / cfg.data.root == ROOT / "data/shards/digits":  # the embedded benchmark and backbone: built here if missing
-        build(Path(cfg.data.root))
-    if ROOT / cfg.backbone.path == ROOT / "data/backbones/tiny_vit_procedural":
-        pretrain(Path(cfg.backbone.path))
-    dist.init()
-    device = dist.device()
-    backbone = load_backbone(cfg.backbone.kind, cfg.backbone.path)
-    backbone.to(device)
-    names = [t if isinstance(t, str) else t.name for t in cfg.data.tasks]
-    splits = [open_split(str(Path(cfg.data.root) / n / "train")) for n in names]
-    seq = TaskSequence.from_label_spaces(names, [s.label_space for s in splits])
-    split, task, B = splits[0], 0, cfg.train.batch_size
-    # the run's pipeline and normalisation, decided as pre-flight decides them
-    own, norm = image_pipeline(cfg, ResolvedBackbone(cfg.backbone.kind, cfg.backbone.path, {"tag": cfg.backbone.tag}))
-    if norm is not None:
-        backbone.use_normalization(*norm)
-    transform = transforms.build(cfg.data.train_transform, train=True, size=getattr(backbone, "image_size", 0),
-                                 backbone=own)
-    collate = backbone.make_collate(split, task, train=True, label_index=seq.label_to_index(),
-                                    **({"transform": transform} if transform.steps else {}))
+        overrides += [f"backbone.path={vit_dir.name}", "backbone.tag=local"]
+    plan, host, run_dir = build_host(args.config, overrides)
+    cfg, backbone, device = plan.cfg, host.backbone, dist.device()
+    split, task, B = plan.train[0], 0, cfg.train.batch_size
+    collate = host.collate(task, train=True)  # the run's pipeline, augmentation and normalisation
     steps = micro_steps_per_epoch(split, 1, B, 1, cfg.data.split)
 
     # the stage's batches, collated once (in this process) with its seeds: what the bare loop trains on
@@ -110,12 +85,9 @@ def main() -> int:
                                                   collate=collate)]
 
     def fresh():
-        torch.manual_seed(0)
-        m = METHODS.get(cfg.method.name)(cfg.method.params(), backbone, seq)
-        m.before_task(task)
-        m.set_task(task)
-        m.set_phase(m.phases[0])
-        return m.to(device)
+        """A freshly built method at the start of task 0's (first) train stage, as the pipeline has it."""
+        host.build()
+        return host.begin_train(task, host.method_cls.phases[0])
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     marks: list[float] = []
@@ -145,10 +117,9 @@ def main() -> int:
 
     def stage(workers: int) -> float:
         marks.clear()
-        c = cfg.model_copy(deep=True)
-        c.data.num_workers = workers
+        loader = dataclasses.replace(plan.loader, num_workers=workers)
         with tempfile.TemporaryDirectory() as step_dir:
-            TaskTrainer(c).train(fresh(), task, split, collate, Path(step_dir))
+            TaskTrainer(cfg, loader=loader).train(fresh(), task, split, collate, Path(step_dir))
         assert len(marks) == len(batches), (len(marks), len(batches))
         busy(f"stage, {workers} workers", marks[0], marks[-1])
         return (len(marks) - 1) / (marks[-1] - marks[0])
@@ -197,12 +168,13 @@ def main() -> int:
     for kind, u in util.items():
         print(f"GPU utilisation, {kind}: {statistics.median(u):.0f}% (median over rounds of the mean of 50 ms NVML samples)")
     dist.shutdown()
+    run_dir.cleanup()
     if vit_dir is not None:
         vit_dir.cleanup()
     return 0
 
 
 if __name__ == "__main__":
-    from mcit.distributed import exit_process
+    from mcit.core.distributed import exit_process
 
     exit_process(main())

@@ -7,7 +7,7 @@
 Reads <instructions>/<Task>/train.json and the file CoIN's evaluation scripts read as the test split
 (val.json for TextVQA, VizWiz and VQAv2, test.json for the others; .jsonl / .parquet / .arrow / a saved
 dataset folder as well) and writes <out>/<task>/{train,test}, the layout configs/coin_llava7b_fwd_prompt.yaml
-reads, each split scored by CoIN's own script for that task (mcit.scorers, coin_*). See
+reads, each split scored by CoIN's own script for that task (mcit.core.scorers, coin_*). See
 data_prep.instruction_sets for the record forms and the checks.
 """
 

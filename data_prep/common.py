@@ -24,7 +24,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from mcit.checkpoint import atomic_write_text
+from mcit.core.checkpoint import atomic_write_text
 from mcit.data.shards import (
     MANIFEST,
     DataError,

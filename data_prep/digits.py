@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from data_prep.common import builder_main
-from mcit.checkpoint import publish_dir, staging_dir
+from mcit.core.checkpoint import publish_dir, staging_dir
 from mcit.data.shards import open_split, write_split
 
 CLASS_NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]

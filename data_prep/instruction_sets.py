@@ -49,7 +49,7 @@ class TaskPreset:
 
 
 # CoIN's evaluation scripts (zackschen/CoIN scripts/LLaVA/Eval/*.sh) read val.json for TextVQA, VizWiz and VQAv2
-# and test.json for the others; the scorers are those scripts' (mcit.scorers, coin_*).
+# and test.json for the others; the scorers are those scripts' (mcit.core.scorers, coin_*).
 COIN = [TaskPreset("scienceqa", "ScienceQA", "coin_scienceqa"), TaskPreset("textvqa", "TextVQA", "coin_textvqa", "val"),
         TaskPreset("imagenet", "ImageNet", "coin_imagenet"), TaskPreset("gqa", "GQA", "coin_gqa"),
         TaskPreset("vizwiz", "VizWiz", "coin_vizwiz", "val"), TaskPreset("grounding", "Grounding", "coin_grounding"),
@@ -57,7 +57,7 @@ COIN = [TaskPreset("scienceqa", "ScienceQA", "coin_scienceqa"), TaskPreset("text
 # UCIT as MCITlib lays it out (Ghy0501/MCITlib README and configs/data_configs/UCIT/*.json:
 # <UCIT>/<Task>/{train,test}.json, images under <UCIT>/datasets).
 # The accuracy tasks are scored as MCITlib's eval_deepseek_r1.py (ucit_accuracy), the captioning tasks as its
-# eval_caption.py (ucit_caption: the mean of BLEU-1..4, METEOR, ROUGE-L, CIDEr; mcit.caption_metrics).
+# eval_caption.py (ucit_caption: the mean of BLEU-1..4, METEOR, ROUGE-L, CIDEr; mcit.core.caption_metrics).
 UCIT = [TaskPreset("imagenet_r", "ImageNet-R", "ucit_accuracy"), TaskPreset("arxivqa", "ArxivQA", "ucit_accuracy"),
         TaskPreset("vizwiz_caption", "VizWiz", "ucit_caption"), TaskPreset("iconqa", "IconQA", "ucit_accuracy"),
         TaskPreset("clevr_math", "CLEVR-Math", "ucit_accuracy"), TaskPreset("flickr30k", "Flickr30k", "ucit_caption")]

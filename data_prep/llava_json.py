@@ -15,8 +15,8 @@ from pathlib import Path
 
 from data_prep.common import converter_arguments, run_cli, verify
 from data_prep.instruction_sets import convert_split
-from mcit import caption_metrics as C
-from mcit import scorers as S
+from mcit.core import caption_metrics as C
+from mcit.core import scorers as S
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -91,7 +91,7 @@ def pretrain(out: Path, *, vision_hidden: int = 64, vision_layers: int = 4, text
         CLIPImageProcessorPil,  # no torchvision here (see PLATFORM.md)
     )
 
-    from mcit.checkpoint import publish_dir, staging_dir
+    from mcit.core.checkpoint import publish_dir, staging_dir
     from mcit.data.procedural import SHAPES, generate, generate_numerals
 
     settings = dict(vision_hidden=vision_hidden, vision_layers=vision_layers, text_hidden=text_hidden,

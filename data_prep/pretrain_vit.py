@@ -25,7 +25,7 @@ def pretrain(out: Path, *, hidden: int = 96, layers: int = 6, heads: int = 4, im
     import torch
     from transformers import ViTConfig, ViTForImageClassification, ViTImageProcessor
 
-    from mcit.checkpoint import publish_dir, staging_dir
+    from mcit.core.checkpoint import publish_dir, staging_dir
     from mcit.data.procedural import SHAPES, generate, to_pixel_values
 
     settings = dict(hidden=hidden, layers=layers, heads=heads, image_size=image_size, patch_size=patch_size,

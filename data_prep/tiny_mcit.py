@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 from data_prep.common import builder_main
-from mcit.checkpoint import publish_dir, staging_dir
+from mcit.core.checkpoint import publish_dir, staging_dir
 from mcit.data import tiny_mcit as B
 from mcit.data.instructions import write_instruction_split
 from mcit.data.shards import open_split

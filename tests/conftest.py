@@ -24,7 +24,7 @@ from typing import Iterator
 import pytest
 import yaml
 
-from mcit.distributed import free_port
+from mcit.core.distributed import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 ENTRY = ROOT / "pipelines" / "run_task_sequence.py"
@@ -57,7 +57,7 @@ def sequence():
 
 
 def pytest_configure(config) -> None:
-    from mcit.distributed import default_accelerator
+    from mcit.core.distributed import default_accelerator
 
     default_accelerator()  # as the entry points do: DeepSpeed's accelerator probing is slow on CPU machines
 
@@ -243,13 +243,15 @@ def launch(args: list[str], launcher: str = "python", nproc: int = 1, timeout: i
 
 
 def run_main(args: list[str], entry: str = "run_task_sequence") -> subprocess.CompletedProcess:
-    """``pipelines/<entry>.py ARGS`` through its ``main(argv)`` in this process, for runs that must stop in
-    pre-flight (before any process group exists); exit status and output come back as from ``launch``."""
+    """The program behind ``pipelines/<entry>.py`` (``mcit/cli/``) on ARGS through its ``main(argv)`` in this
+    process, for runs that must stop in pre-flight (before any process group exists); exit status and output
+    come back as from ``launch``. A dotted ``entry`` is a module of its own (``data_prep.<converter>``)."""
     import contextlib
     import importlib
     import io
 
-    main = importlib.import_module(entry if "." in entry else f"pipelines.{entry}").main  # or data_prep.<converter>
+    programs = {"run_task_sequence": "mcit.cli.run", "evaluate": "mcit.cli.evaluate", "sweep": "mcit.cli.sweep"}
+    main = importlib.import_module(entry if "." in entry else programs[entry]).main
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:

@@ -12,7 +12,7 @@ A sample in a shard is ``<key>.<png|jpg|jpeg>`` (the image bytes, unchanged) and
                                            #   conversations): the sample then has no image file
 
 The manifest of an instruction split has ``"kind": "instruction"``, an empty ``label_space`` and the
-task's default ``"scorer"`` (see mcit.scorers). A multi-turn conversation is one sample: training
+task's default ``"scorer"`` (see mcit.core.scorers). A multi-turn conversation is one sample: training
 learns every answer with the turns before it as history (as LLaVA trains), evaluation answers the last
 question after the others and their answers (``answers``, ``box``, ``choices`` refer to that question).
 """

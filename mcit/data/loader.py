@@ -13,12 +13,28 @@ import itertools
 import math
 import os
 from dataclasses import dataclass, replace
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
 from mcit.data.shards import DataError, Split, assign, decode_sample, iter_samples
 from mcit.data.types import Batch
+
+
+@dataclass(frozen=True)
+class LoaderOptions:
+    """How a stream's batches are made: ``num_workers`` worker processes (0: in this process), page-locked
+    buffers (``pin_memory``, on CUDA), and how long to wait for a batch before ``WorkerTimeout``. A run reads
+    them from its config once (``from_config``; ``Plan.loader``) and every stream of the run takes that object."""
+
+    num_workers: int = 0
+    pin_memory: bool = False
+    worker_timeout_s: float = 600.0
+
+    @classmethod
+    def from_config(cls, data: Any) -> "LoaderOptions":
+        """The config's ``data`` section (num_workers, worker_timeout_s); pinned where the device is CUDA."""
+        return cls(data.num_workers, torch.cuda.is_available(), data.worker_timeout_s)
 
 
 def rank_counts(split: Split, world: int, policy: str) -> list[int]:
@@ -330,11 +346,11 @@ def _stuck(what: str, timeout_s: float) -> WorkerTimeout:
                          f"(data.worker_timeout_s): a worker is stuck; the run resumes from its last commit")
 
 
-def _run(works: Iterator[_Work], collates: list[Collate], num_workers: int, pin_memory: bool,
-         timeout_s: float = 600.0, what: str = "") -> Iterator[Batch]:
+def _run(works: Iterator[_Work], collates: list[Collate], loader: LoaderOptions, what: str = "") -> Iterator[Batch]:
     """The batches of ``works`` in order. With workers (the process's persistent ones, ``WorkerPool``), the first
     one is built here and the workers take the next ones, so a stream starts as soon as in-process collation
     would."""
+    num_workers, pin_memory, timeout_s = loader.num_workers, loader.pin_memory, loader.worker_timeout_s
     data = _Collating(collates)
 
     def here(items: Iterator[_Work]) -> Iterator:
@@ -406,8 +422,7 @@ class Epoch:
 
 def train_epochs(
     split: Split, epochs: list[Epoch], *, rank: int, world: int, batch_size: int, num_steps: int, policy: str,
-    shuffle_buffer: int, collate: Collate, num_workers: int = 0, pin_memory: bool = False,
-    worker_timeout_s: float = 600.0,
+    shuffle_buffer: int, collate: Collate, loader: LoaderOptions = LoaderOptions(),
 ) -> Iterator[Batch]:
     """For each of ``epochs`` in turn, exactly ``num_steps - skip_steps`` batches of size ``batch_size`` for this
     rank, as one stream: the loader workers start once per stream (not per epoch) and keep preparing across an
@@ -425,18 +440,18 @@ def train_epochs(
                     fallback = next(iter_samples(split, 0, 1, policy="sample"))
                 yield _Work(chunk, e.aug_seed, batch_size, fallback if not chunk else None)
 
-    return _run(works(), [collate], num_workers, pin_memory, worker_timeout_s, split.location)
+    return _run(works(), [collate], loader, split.location)
 
 
 def train_batches(
     split: Split, *, rank: int, world: int, batch_size: int, num_steps: int, skip_steps: int, seed: int,
-    policy: str, shuffle_buffer: int, collate: Collate, aug_seed: int | None = None, num_workers: int = 0,
-    pin_memory: bool = False, worker_timeout_s: float = 600.0,
+    policy: str, shuffle_buffer: int, collate: Collate, aug_seed: int | None = None,
+    loader: LoaderOptions = LoaderOptions(),
 ) -> Iterator[Batch]:
     """One epoch of ``train_epochs``."""
     return train_epochs(split, [Epoch(skip_steps, seed, aug_seed)], rank=rank, world=world, batch_size=batch_size,
                         num_steps=num_steps, policy=policy, shuffle_buffer=shuffle_buffer, collate=collate,
-                        num_workers=num_workers, pin_memory=pin_memory, worker_timeout_s=worker_timeout_s)
+                        loader=loader)
 
 
 def pad_batch(batch: Batch | None, template: Batch, size: int) -> Batch:
@@ -453,8 +468,7 @@ def pad_batch(batch: Batch | None, template: Batch, size: int) -> Batch:
 
 
 def eval_parts(splits: list[Split], collates: list[Collate], *, rank: int, world: int, batch_size: int,
-               policy: str, num_workers: int = 0, pin_memory: bool = False,
-               worker_timeout_s: float = 600.0) -> Iterator[tuple[int, Batch]]:
+               policy: str, loader: LoaderOptions = LoaderOptions()) -> Iterator[tuple[int, Batch]]:
     """(split index, batch) over this rank's part of each split in turn, in manifest order, unpadded (evaluation
     runs no collectives). One stream: the loader workers start once for all the splits and prepare the next
     split's first batches while the current one is evaluated (an evaluation row is many small test splits)."""
@@ -474,14 +488,13 @@ def eval_parts(splits: list[Split], collates: list[Collate], *, rank: int, world
                 yield _Work(chunk, None, 0, None, i)
 
     what = splits[0].location if len(splits) == 1 else f"{len(splits)} splits from {splits[0].location}"
-    for n, batch in enumerate(_run(works(), collates, num_workers, pin_memory, worker_timeout_s, what)):
+    for n, batch in enumerate(_run(works(), collates, loader, what)):
         yield parts[n], batch
 
 
 def eval_batches(split: Split, *, rank: int, world: int, batch_size: int, policy: str,
-                 collate: Collate, num_workers: int = 0, pin_memory: bool = False,
-                 worker_timeout_s: float = 600.0) -> Iterator[Batch]:
+                 collate: Collate, loader: LoaderOptions = LoaderOptions()) -> Iterator[Batch]:
     """This rank's part of one split: ``eval_parts`` of one."""
     for _, batch in eval_parts([split], [collate], rank=rank, world=world, batch_size=batch_size, policy=policy,
-                               num_workers=num_workers, pin_memory=pin_memory, worker_timeout_s=worker_timeout_s):
+                               loader=loader):
         yield batch

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Iterator
 
-from mcit.checkpoint import atomic_write_text
-from mcit import locations as L
+from mcit.core.checkpoint import atomic_write_text
+from mcit.core import locations as L
 
 MANIFEST = "manifest.json"
 FORMAT = "mcit-shards/1"
@@ -108,7 +108,7 @@ def write_manifest(directory: Path, shards: list[dict[str, Any]], label_space: l
 @dataclass(frozen=True)
 class Split:
     """A validated split: its location (a local directory, a URL or a ``pipe:`` template; see
-    ``mcit.locations``) and its manifest."""
+    ``mcit.core.locations``) and its manifest."""
 
     location: str
     manifest: dict

@@ -15,7 +15,7 @@ pipeline with the official repository's own transform code.
 
 A preset is a name valid for ``data.train_transform`` and ``data.eval_transform``; the size is the backbone's
 input size (224 in the papers). Its ``normalize`` becomes the backbone's mean / std for the run
-(``mcit.preflight.image_pipeline``; the train and eval presets must agree). ``backbone``, the default, is the
+(``mcit.run.preflight.image_pipeline``; the train and eval presets must agree). ``backbone``, the default, is the
 backbone's own pipeline (``BackbonePreprocessing``: its zoo tag's release, or its directory's image processor).
 """
 

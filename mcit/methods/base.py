@@ -118,7 +118,7 @@ class AuxiliaryBackbone:
 class Method(nn.Module):
     """Base class; subclasses register with ``@METHODS.register(name)`` and set ``Params``.
 
-    The life cycle. ``mcit.lifecycle.MethodHost`` is the only caller of these hooks (the pipeline's
+    The life cycle. ``mcit.run.lifecycle.MethodHost`` is the only caller of these hooks (the pipeline's
     stages and ``pipelines/evaluate.py`` both go through it), in this order::
 
         build      torch.manual_seed(seed); m = Method(params, backbone, sequence[, auxiliary=...])

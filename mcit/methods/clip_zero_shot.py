@@ -17,7 +17,7 @@ from torch import nn
 from mcit.data.types import Batch, TaskSequence
 from mcit.methods.base import LossTerms, Method, MethodParams
 from mcit.methods.prompting import mask_to_classes
-from mcit.registry import METHODS
+from mcit.core.registry import METHODS
 
 
 class CLIPZeroShotParams(MethodParams):

@@ -27,7 +27,7 @@ from mcit.data.types import Batch, TaskSequence
 from mcit.methods.base import LossTerms, Method, LayerList, MethodParams
 from mcit.methods.prompting import mask_to_classes, per_head
 from mcit.models.base import LayerPrompt
-from mcit.registry import METHODS
+from mcit.core.registry import METHODS
 
 
 class CodaPromptParams(MethodParams):

@@ -28,7 +28,7 @@ from torch import nn
 from mcit.data.types import Batch, TaskSequence
 from mcit.methods.base import LossTerms, Method, LayerList, MethodParams
 from mcit.methods.prompting import cosine, gather_prefix, majority_vote, mask_to_classes, prefix_prompt, uniform_
-from mcit.registry import METHODS
+from mcit.core.registry import METHODS
 
 
 class DualPromptParams(MethodParams):

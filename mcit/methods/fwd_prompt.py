@@ -56,8 +56,8 @@ from torch import nn
 from mcit.data.types import Batch, TaskSequence
 from mcit.methods.base import LossTerms, MethodParams
 from mcit.methods.instruction import InstructionMethod, init_from_vocab
-from mcit.registry import METHODS
-from mcit.subspace import energy_basis, project_out, token_covariance
+from mcit.core.registry import METHODS
+from mcit.core.subspace import energy_basis, project_out, token_covariance
 
 
 class FwdPromptParams(MethodParams):

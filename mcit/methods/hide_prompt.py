@@ -52,7 +52,7 @@ from mcit.methods.class_gaussians import class_moments, gaussian_factors, moment
 from mcit.data.types import Batch, TaskSequence
 from mcit.methods.base import LossTerms, Method, LayerList, MethodParams
 from mcit.methods.prompting import gather_prefix, mask_to_classes, prefix_prompt, uniform_
-from mcit.registry import METHODS
+from mcit.core.registry import METHODS
 
 
 class HiDePromptParams(MethodParams):

@@ -7,11 +7,13 @@ injected once per backbone object; every build of the method puts *new* A/B modu
 (initialised as peft does), so a rebuilt method (after each stage, or on resume) starts from the same
 values, loads its saved state, and shares no parameter object, hook or ZeRO bookkeeping with the
 DeepSpeed engine of an earlier task (re-using them made a later task read stale optimizer state).
-``lora_layers`` is that injection, shared with O-LoRA and MoELoRA, which put their own A/B modules in.
+``LoRAFamily`` is the base of every method built that way (LoRA, O-LoRA, MoELoRA): it injects the layers
+(``lora_layers``) and installs the method's own A/B modules (``adapter_pair``) as its ``adapters``.
 """
 
 from __future__ import annotations
 
+import abc
 import math
 from typing import Union
 
@@ -22,7 +24,7 @@ from torch import nn
 from mcit.data.types import TaskSequence
 from mcit.methods.base import MethodParams
 from mcit.methods.instruction import InstructionMethod
-from mcit.registry import METHODS
+from mcit.core.registry import METHODS
 
 # A list of module names (peft's rule: a module matches when its name is the target or ends in ".target"),
 # or "all-linear": every nn.Linear of the LLM but the output head (CoIN's find_all_linear_names).
@@ -99,34 +101,53 @@ class DropoutLinear(nn.Linear):
         return super().forward(self.dropout(x))
 
 
-class LoraParams(MethodParams):
+class LoRAFamilyParams(MethodParams):
+    """What every LoRA-family method takes (LoRA's defaults; a method re-declares those it changes)."""
+
     r: int = Field(8, ge=1)
     alpha: float = Field(16.0, gt=0)
     dropout: float = Field(0.0, ge=0, lt=1)
     target_modules: Targets = Field(default_factory=lambda: ["q_proj", "v_proj"])
 
 
-@METHODS.register("lora")
-class Lora(InstructionMethod):
-    name = "lora"
-    Params = LoraParams
+class LoRAFamily(InstructionMethod, abc.ABC):
+    """The base of the LoRA-family methods: peft layers on the language model's target projections (scaling
+    ``alpha / r``), each filled with the method's own A/B modules, which are the method's ``adapters``
+    (``{layer name: {"A", "B"}}``: DeepSpeed trains, shards and checkpoints them; the backbone stays frozen)."""
 
-    def __init__(self, params: LoraParams, backbone: nn.Module, sequence: TaskSequence) -> None:
+    adapters: nn.ModuleDict
+
+    def __init__(self, params: LoRAFamilyParams, backbone: nn.Module, sequence: TaskSequence) -> None:
         super().__init__(params, backbone, sequence)
         self._check_backbone()
         layers = lora_layers(backbone.language_model, params.target_modules, params.r, params.alpha, self.name)
-        self.adapters = install(layers, self._pair)
+        self.adapters = install(layers, self.adapter_pair)
 
-    def _pair(self, m: nn.Module, kw: dict) -> tuple[nn.Module, nn.Module]:
+    @abc.abstractmethod
+    def adapter_pair(self, layer: nn.Module, kw: dict) -> tuple[nn.Module, nn.Module]:
+        """This method's (A, B) modules for one peft layer (``layer.in_features`` / ``out_features``; ``kw``:
+        the layer's device and float32), initialised as the method's official code does."""
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return list(self.adapters.parameters())
+
+
+class LoraParams(LoRAFamilyParams):
+    """LoRA's own: the family's defaults."""
+
+
+@METHODS.register("lora")
+class Lora(LoRAFamily):
+    name = "lora"
+    Params = LoraParams
+
+    def adapter_pair(self, m: nn.Module, kw: dict) -> tuple[nn.Module, nn.Module]:
         p = self.params
         a = DropoutLinear(m.in_features, p.r, p.dropout, **kw)
         b = nn.Linear(p.r, m.out_features, bias=False, **kw)
         nn.init.kaiming_uniform_(a.weight, a=math.sqrt(5))  # peft's own initialisation
         nn.init.zeros_(b.weight)
         return a, b
-
-    def trainable_parameters(self) -> list[nn.Parameter]:
-        return [p for p in self.adapters.parameters()]
 
     @torch.no_grad()
     def merged_delta_norm(self) -> float:

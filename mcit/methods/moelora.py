@@ -25,14 +25,11 @@ import torch.nn.functional as F
 from pydantic import Field, model_validator
 from torch import nn
 
-from mcit.data.types import TaskSequence
-from mcit.methods.base import MethodParams
-from mcit.methods.instruction import InstructionMethod
-from mcit.methods.lora import Targets, install, lora_layers
-from mcit.registry import METHODS
+from mcit.methods.lora import LoRAFamily, LoRAFamilyParams, Targets
+from mcit.core.registry import METHODS
 
 
-class MoeLoraParams(MethodParams):
+class MoeLoraParams(LoRAFamilyParams):
     r: int = Field(128, ge=1)
     alpha: float = Field(256.0, gt=0)
     experts: int = Field(8, ge=1)
@@ -69,23 +66,16 @@ class _RoutedExperts(nn.Module):
 
 
 @METHODS.register("moelora")
-class MoeLora(InstructionMethod):
+class MoeLora(LoRAFamily):
+    """peft's dropout slot is the identity (``lora_layers``): the router reads the input before the experts'
+    dropout, which lives in ``_RoutedExperts``."""
+
     name = "moelora"
     Params = MoeLoraParams
 
-    def __init__(self, params: MoeLoraParams, backbone: nn.Module, sequence: TaskSequence) -> None:
-        super().__init__(params, backbone, sequence)
-        self._check_backbone()
-        # peft's dropout slot is the identity: the router reads the input before the experts' dropout
-        layers = lora_layers(backbone.language_model, params.target_modules, params.r, params.alpha, self.name)
-        self.adapters = install(layers, self._pair)
-
-    def _pair(self, m: nn.Module, kw: dict) -> tuple[nn.Module, nn.Module]:
+    def adapter_pair(self, m: nn.Module, kw: dict) -> tuple[nn.Module, nn.Module]:
         p = self.params
         a = _RoutedExperts(m.in_features, p.r, p.experts, p.dropout, **kw)
         b = nn.Linear(p.r, m.out_features, bias=False, **kw)
         nn.init.zeros_(b.weight)
         return a, b
-
-    def trainable_parameters(self) -> list[nn.Parameter]:
-        return list(self.adapters.parameters())

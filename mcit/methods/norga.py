@@ -24,7 +24,7 @@ from torch import nn
 
 from mcit.data.types import TaskSequence
 from mcit.methods.hide_prompt import HiDePrompt, HiDePromptParams
-from mcit.registry import METHODS
+from mcit.core.registry import METHODS
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "sigmoid": torch.sigmoid, "tanh": torch.tanh, "gelu": F.gelu}

@@ -25,17 +25,14 @@ from pydantic import Field
 from torch import nn
 
 from mcit.data.types import Batch, TaskSequence
-from mcit.methods.base import LossTerms, MethodParams
-from mcit.methods.instruction import InstructionMethod
-from mcit.methods.lora import Targets, install, lora_layers
-from mcit.registry import METHODS
+from mcit.methods.base import LossTerms
+from mcit.methods.lora import LoRAFamily, LoRAFamilyParams
+from mcit.core.registry import METHODS
 
 
-class OLoraParams(MethodParams):
-    r: int = Field(8, ge=1)
+class OLoraParams(LoRAFamilyParams):
     alpha: float = Field(32.0, gt=0)
     dropout: float = Field(0.1, ge=0, lt=1)
-    target_modules: Targets = Field(default_factory=lambda: ["q_proj", "v_proj"])
     lamda_1: float = Field(0.5, ge=0)  # the orthogonality term (the official spelling)
     lamda_2: float = Field(0.0, ge=0)  # the L2 term on the new task's pair
 
@@ -77,18 +74,15 @@ class _TaskStack(nn.Module):
 
 
 @METHODS.register("olora")
-class OLora(InstructionMethod):
+class OLora(LoRAFamily):
     name = "olora"
     Params = OLoraParams
 
     def __init__(self, params: OLoraParams, backbone: nn.Module, sequence: TaskSequence) -> None:
         super().__init__(params, backbone, sequence)
-        self._check_backbone()
-        layers = lora_layers(backbone.language_model, params.target_modules, params.r, params.alpha, self.name)
-        self.adapters = install(layers, self._stacks)
         self.set_task(0)
 
-    def _stacks(self, m: nn.Module, kw: dict) -> tuple[nn.Module, nn.Module]:
+    def adapter_pair(self, m: nn.Module, kw: dict) -> tuple[nn.Module, nn.Module]:
         """Every task's pair for one layer: A kaiming-uniform (the official loranew_A init), B zero."""
         T, r = len(self.sequence), self.params.r
         a_blocks = [nn.init.kaiming_uniform_(torch.empty(r, m.in_features, **kw), a=math.sqrt(5)) for _ in range(T)]

@@ -6,7 +6,7 @@ After each task the subspace stage accumulates (summed over ranks) the uncentred
   * the prompt-side features: for L2P's prompt tuning the embedded image tokens the prompts are
     inserted among (D); for DualPrompt's prefixes, per prompted block, the image tokens' per-head
     queries (head_dim), since a prefix key changes old attention scores only through q . dk,
-and GPM's energy criterion (``mcit.subspace.energy_basis``: new directions until the old basis plus
+and GPM's energy criterion (``mcit.core.subspace.energy_basis``: new directions until the old basis plus
 them hold ``prompt_threshold`` / ``key_threshold`` of the task's energy) grows an orthonormal basis
 U of each space. From the second task on every update of a prompt or key is confined to the
 orthogonal complement, dP <- dP - dP U U^T (DualPrompt: the key half of each prefix, in its block's
@@ -39,8 +39,8 @@ from mcit.methods.dualprompt import DualPrompt, DualPromptParams, task_prompt_id
 from mcit.methods.l2p import L2P, L2PParams
 from mcit.methods.prompting import gather_prefix
 from mcit.models.base import LayerPrompt
-from mcit.registry import METHODS
-from mcit.subspace import energy_basis, project_out
+from mcit.core.registry import METHODS
+from mcit.core.subspace import energy_basis, project_out
 
 
 class PGPMixin:

@@ -17,7 +17,7 @@ from torch import nn
 from mcit.data.types import Batch, TaskSequence
 from mcit.methods.base import MethodParams
 from mcit.methods.instruction import InstructionMethod, init_from_vocab
-from mcit.registry import METHODS
+from mcit.core.registry import METHODS
 
 
 class PromptTuningParams(MethodParams):

@@ -17,7 +17,7 @@ from torch import nn
 from mcit.data.types import Batch, TaskSequence
 from mcit.methods.base import LossTerms, Method, MethodParams
 from mcit.methods.prompting import insert_prompts, pool, uniform_
-from mcit.registry import METHODS
+from mcit.core.registry import METHODS
 
 
 class SeqParams(MethodParams):

@@ -50,7 +50,7 @@ from mcit.methods.base import LayerList, MethodParams
 from mcit.methods.dualprompt import DualPrompt, DualPromptParams, task_prompt_ids
 from mcit.methods.l2p import L2P, L2PParams
 from mcit.methods.prompting import cosine, uniform_
-from mcit.registry import METHODS
+from mcit.core.registry import METHODS
 
 ATTENTION_ROLES = ("q", "k", "v", "o")
 MLP_ROLES = ("fc1", "fc2")

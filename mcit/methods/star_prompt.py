@@ -47,7 +47,7 @@ from torch import nn
 from mcit.data.types import Batch, TaskSequence
 from mcit.methods.base import AuxiliaryBackbone, LossTerms, Method, LayerList, MethodParams, auxiliary_of
 from mcit.methods.class_gaussians import fit_mixture, sample_mixture
-from mcit.registry import METHODS
+from mcit.core.registry import METHODS
 
 
 class STARPromptParams(MethodParams):

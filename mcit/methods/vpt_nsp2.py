@@ -55,7 +55,7 @@ from mcit.methods.base import LossTerms, Method, LayerList, MethodParams
 from mcit.methods.class_gaussians import class_moments, gaussian_factors, moments_to_gaussians, sample_classes
 from mcit.methods.prompting import mask_to_classes, uniform_
 from mcit.models.base import LayerPrompt
-from mcit.registry import METHODS
+from mcit.core.registry import METHODS
 
 
 class VPTNSP2Params(MethodParams):

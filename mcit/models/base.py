@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar
 import torch
 from torch import nn
 
-from mcit.registry import BACKBONES
+from mcit.core.registry import BACKBONES
 
 if TYPE_CHECKING:
     from mcit.data.transforms import BackbonePreprocessing

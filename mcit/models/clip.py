@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mcit.models.base import BackboneError, PromptableImageEncoder, check_hf_dir
-from mcit.registry import BACKBONES
+from mcit.core.registry import BACKBONES
 
 
 @BACKBONES.register("clip")

@@ -27,7 +27,7 @@ from torch import nn
 
 from mcit.data.types import Batch
 from mcit.models.base import Backbone, BackboneError
-from mcit.registry import BACKBONES
+from mcit.core.registry import BACKBONES
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from mcit.models.base import PromptableImageEncoder
-from mcit.registry import BACKBONES
+from mcit.core.registry import BACKBONES
 
 
 @BACKBONES.register("vit")

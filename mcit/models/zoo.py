@@ -561,7 +561,7 @@ def export_hf(conv: Converted, out: Path, tokenizer: Path | None = None) -> Path
         _copy_tokenizer(tokenizer, tmp)
     (tmp / "zoo.json").write_text(json.dumps({"tag": e.tag, "format": e.format, "source_sha256": conv.sha256,
                                               "dropped_keys": conv.dropped}, indent=1))
-    from mcit.checkpoint import publish_dir
+    from mcit.core.checkpoint import publish_dir
 
     publish_dir(tmp, out)
     return out
@@ -591,7 +591,7 @@ def cached_sha256(path: Path, cache_dir: Path) -> str:
     digest = sha256_path(path)
     index[key] = {"stamp": stamp, "sha256": digest}
     try:
-        from mcit.checkpoint import atomic_write_text
+        from mcit.core.checkpoint import atomic_write_text
 
         atomic_write_text(index_path, json.dumps(index, indent=1))
     except OSError:

@@ -27,14 +27,14 @@ else
 fi
 export MASTER_ADDR MASTER_PORT
 
-RUN_DIR=$("$PY" -c 'import sys; sys.path.insert(0, "."); from mcit.config import load_config; print(load_config(sys.argv[1], sys.argv[2:]).resolved_run_dir())' "$CONFIG" "${OVERRIDES[@]}") \
+RUN_DIR=$("$PY" -c 'import sys; sys.path.insert(0, "."); from mcit.core.config import load_config; print(load_config(sys.argv[1], sys.argv[2:]).resolved_run_dir())' "$CONFIG" "${OVERRIDES[@]}") \
   || { echo "mcit: cannot read config $CONFIG" >&2; exit 2; }
 RANK_LOGS=$RUN_DIR/logs/ranks/job${SLURM_JOB_ID}_restart${SLURM_RESTART_COUNT:-0}
 mkdir -p "$RANK_LOGS"
 echo "mcit: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on ${HOSTS[*]}: $NNODES node(s) x $PER_NODE rank(s), master $MASTER_ADDR:$MASTER_PORT, launcher $LAUNCHER, run dir $RUN_DIR"
 
 # Preemption / time limit: Slurm signals this batch shell (--signal=B:USR1@T, scancel --signal=USR1 --batch).
-# The request reaches every rank through the run directory; they stop after the same step (mcit.preemption).
+# The request reaches every rank through the run directory; they stop after the same step (mcit.core.preemption).
 PREEMPTED=
 request_stop() { PREEMPTED=1; echo "mcit: job $SLURM_JOB_ID got a stop signal; asking the ranks to checkpoint" >&2; touch "$RUN_DIR/PREEMPT"; }
 trap request_stop USR1 TERM

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import EVALUATE, FAULTY, ROOT, free_port, launch, launcher_cmd, mcit_config, run_env
-from mcit import scorers as S
+from mcit.core import scorers as S
 
 
 # -- the pipeline ------------------------------------------------------------------------------------------

@@ -196,11 +196,11 @@ def test_export_loads_without_deepspeed(reference_run, assets):
     code = f"""
 import json, sys, torch
 from safetensors.torch import load_file
-from mcit.config import load_config
+from mcit.core.config import load_config
 from mcit.data.shards import open_split, iter_samples
 from mcit.data.types import TaskSequence
 from mcit.models.base import load_backbone
-from mcit.registry import METHODS
+from mcit.core.registry import METHODS
 run = {str(run_dir)!r}
 desc = json.load(open(run + "/checkpoints/task_0/method.json"))
 cfg = load_config(run + "/config.yaml")
@@ -291,7 +291,7 @@ def test_torchrun_two_processes_with_zero3_cpu_offload(assets, work):
 
 
 def test_nonfinite_loss_stops_with_one_line_and_resumes_from_the_last_checkpoint(assets, work, reference_run):
-    """Task 1's loss is made NaN at optimizer step 5 on rank 1 only (the test-only seam mcit.engine.on_loss):
+    """Task 1's loss is made NaN at optimizer step 5 on rank 1 only (the test-only seam mcit.run.engine.on_loss):
     both ranks agree through one all-reduce and stop before the backward, rank 0 prints one line, exit 1.
     The step checkpoint committed at step 3 is untouched and task 1 is not recorded as trained; a plain
     re-run resumes from it and ends with the uninterrupted run's matrix."""
@@ -344,7 +344,7 @@ def test_nonfinite_skip_drops_the_micro_batch_and_counts_it(assets, work):
 
 def test_failed_writes_stop_in_one_line_and_the_run_resumes(assets, work, reference_run):
     """A full disk, a read-only file system and a permission error while writing an eval row, a task
-    checkpoint and the state file (OSError injected through the test-only seam mcit.checkpoint.on_write, on
+    checkpoint and the state file (OSError injected through the test-only seam mcit.core.checkpoint.on_write, on
     rank 0 of 2): one line naming the file, no temp file left, state.json still at the last completed stage,
     and plain re-runs resume to the uninterrupted run's matrix."""
     _, ref_dir, _ = reference_run

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mcit import scorers
+from mcit.core import scorers
 
 CASES = {**json.loads((Path(__file__).parent / "official" / "coin_scorers.json").read_text())["cases"],
          **json.loads((Path(__file__).parent / "official" / "ucit_scorers.json").read_text())["cases"]}

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 
-from mcit import metrics as M
+from mcit.core import metrics as M
 
 FULL = [[91.5, 3.0, 1.0, 0.0], [62.0, 88.25, 2.5, 0.5], [70.5, 55.0, 79.0, 4.0], [58.0, 60.5, 81.25, 84.0]]
 ZERO_SHOT = [10.0, 12.5, 8.0, 11.0]

@@ -14,7 +14,7 @@ import tiny_inputs as T
 import torch
 
 from mcit.data.types import TaskSequence
-from mcit.registry import METHODS
+from mcit.core.registry import METHODS
 
 
 def _block(m, key: str):

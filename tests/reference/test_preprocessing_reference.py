@@ -3,7 +3,7 @@ tag's own pipeline is its release's (official/preprocessing.json: each repositor
 torchvision outside this repository; its "source" says how, each pipeline names repository, commit and function).
 
 Evaluation: the four fixed images through the config's eval pipeline (the preset, then the normalisation the run
-sets on the backbone, as ``mcit.preflight.image_pipeline`` decides it) must give the official tensor: the same
+sets on the backbone, as ``mcit.run.preflight.image_pipeline`` decides it) must give the official tensor: the same
 uint8 pixels everywhere (sha256) and the same values at 64 positions and per-channel mean / std to 1e-5.
 Training: the config's train steps must have the official parameters (crop scale, ratio, interpolation, flip
 probability, jitter ranges, AutoAugment policy) and normalisation, and the crop box, flip, jitter factors and
@@ -20,10 +20,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mcit.config import load_config
+from mcit.core.config import load_config
 from mcit.data import transforms as X
 from mcit.models import zoo as Z
-from mcit.preflight import ResolvedBackbone, image_pipeline
+from mcit.run.plan import ResolvedBackbone
+from mcit.run.preflight import image_pipeline
 
 from preprocessing_inputs import images, sample_positions
 

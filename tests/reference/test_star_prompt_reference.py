@@ -14,7 +14,7 @@ import torch
 
 def star():
     """The project's STAR-Prompt on the tiny ViT with the tiny CLIP, its parameters drawn after both were built."""
-    from mcit.registry import METHODS
+    from mcit.core.registry import METHODS
 
     cls = METHODS.get("star_prompt")
     clip, vit = T.clip(), T.vit()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from mcit import scorers
+from mcit.core import scorers
 
 CASES = json.loads((Path(__file__).parent / "official" / "vqa_accuracy.json").read_text())["cases"]["vqa_accuracy"]
 

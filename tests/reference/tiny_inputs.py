@@ -119,7 +119,7 @@ def batch(task: int, n: int = 4):
 
 def method(name: str, backbone, seq=None, seed: int = 2, **params: Any):
     """The project's ``name`` with ``params``, its parameters drawn after ``torch.manual_seed(seed)``."""
-    from mcit.registry import METHODS
+    from mcit.core.registry import METHODS
 
     cls = METHODS.get(name)
     torch.manual_seed(seed)

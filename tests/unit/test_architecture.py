@@ -11,16 +11,17 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
-# Rooms from the bottom up: a module may import its own room and the rooms below it, never one above.
-ROOMS: list[tuple[str, tuple[str, ...]]] = [
-    ("foundation", ("mcit", "mcit.registry", "mcit.config", "mcit.checkpoint", "mcit.locations", "mcit.distributed",
-                    "mcit.rundir", "mcit.preemption", "mcit.metrics", "mcit.scorers", "mcit.subspace")),
-    ("data", ("mcit.data",)),
-    ("models", ("mcit.models",)),
-    ("methods", ("mcit.methods",)),
-    ("running", ("mcit.engine", "mcit.evaluation", "mcit.preflight", "mcit.lifecycle")),
-    ("entry", ("mcit.pipeline", "mcit.sweep", "mcit.report", "mcit.study")),
-]
+# Rooms from the bottom up, one folder of mcit/ each: a module may import its own room and the rooms below it,
+# never one above. The rooms are the folders (``rooms_of``); this list only orders them, and a folder it does not
+# order, or a module outside every folder, fails.
+ORDER = ("core", "data", "models", "methods", "run", "studies", "cli")
+
+
+def rooms_of(package: Path = ROOT / "mcit") -> list[str]:
+    """The package's rooms: its sub-folders that are packages, in ORDER."""
+    found = {d.name for d in package.iterdir() if (d / "__init__.py").is_file()}
+    assert found <= set(ORDER), f"mcit/{sorted(found - set(ORDER))} is a folder ORDER does not place"
+    return [r for r in ORDER if r in found]
 
 
 def _module_name(path: Path, base: Path = ROOT) -> str:
@@ -30,14 +31,15 @@ def _module_name(path: Path, base: Path = ROOT) -> str:
     return ".".join(parts)
 
 
-def _room(module: str) -> int:
-    best, rank = -1, None
-    for i, (_, prefixes) in enumerate(ROOMS):
-        for p in prefixes:
-            if (module == p or module.startswith(p + ".")) and len(p) > best:
-                best, rank = len(p), i
-    assert rank is not None, f"{module} is in no room of docs/architecture.md; add it to ROOMS and to the document"
-    return rank
+def _room(module: str, rooms: list[str] | None = None) -> int:
+    """The room of ``mcit.<room>.<...>``; the package itself (``mcit``, side-effect free) is below every room."""
+    rooms = rooms if rooms is not None else list(ORDER)
+    parts = module.split(".")
+    if parts == ["mcit"]:
+        return -1
+    assert len(parts) >= 2 and parts[1] in rooms, \
+        f"{module} is in no room: every module lives in one of mcit/{{{','.join(rooms)}}}/ (docs/architecture.md)"
+    return rooms.index(parts[1])
 
 
 def project_imports(path: Path) -> set[str]:
@@ -55,21 +57,52 @@ def project_imports(path: Path) -> set[str]:
 
 
 def import_violations(package: Path = ROOT / "mcit") -> list[str]:
+    rooms = rooms_of(package)
     bad = []
     for f in sorted(package.rglob("*.py")):
         me = _module_name(f, package.parent)
+        _room(me, rooms)  # every module is in a room, whatever it imports
         for dep in sorted(project_imports(f)):
-            if _room(dep) > _room(me):
-                bad.append(f"{me} ({ROOMS[_room(me)][0]}) imports {dep} ({ROOMS[_room(dep)][0]})")
+            if _room(dep, rooms) > _room(me, rooms):
+                bad.append(f"{me} ({rooms[_room(me, rooms)]}) imports {dep} ({rooms[_room(dep, rooms)]})")
     return bad
 
 
+def longest_chain(package: Path = ROOT / "mcit", room: str = "run") -> list[str]:
+    """The longest import chain inside one room (modules, the importer first), imports inside functions
+    included: how many floors the room has."""
+    mods = {_module_name(f, package.parent): f for f in sorted((package / room).glob("*.py")) if f.stem != "__init__"}
+    deps = {m: sorted(d for d in project_imports(f) if d in mods and d != m) for m, f in mods.items()}
+    memo: dict[str, list[str]] = {}
+
+    def chain(m: str, seen: tuple[str, ...] = ()) -> list[str]:
+        assert m not in seen, f"import cycle: {' -> '.join((*seen, m))}"
+        if m not in memo:
+            memo[m] = [m] + max((chain(d, (*seen, m)) for d in deps[m]), key=len, default=[])
+        return memo[m]
+
+    return max((chain(m) for m in mods), key=len, default=[])
+
+
 def test_lower_rooms_never_import_upper_ones():
+    assert rooms_of() == list(ORDER)
     assert import_violations() == []
     for f in [*(ROOT / "mcit" / "data").rglob("*.py"), *(ROOT / "mcit" / "models").rglob("*.py")]:
-        forbidden = {d for d in project_imports(f)
-                     if d.startswith(("mcit.methods", "mcit.engine", "mcit.pipeline"))}
+        forbidden = {d for d in project_imports(f) if d.startswith(("mcit.methods", "mcit.run", "mcit.cli"))}
         assert not forbidden, f"{f.relative_to(ROOT)} imports {sorted(forbidden)}"
+
+
+def test_every_module_is_in_a_room_folder():
+    """No catch-all: a module directly under mcit/ (other than the package's own __init__) is in no room."""
+    flat = [f.name for f in (ROOT / "mcit").glob("*.py") if f.name != "__init__.py"]
+    assert flat == []
+    for f in (ROOT / "mcit").rglob("*.py"):
+        _room(_module_name(f))  # asserts
+
+
+def test_the_running_room_has_at_most_three_floors():
+    chain = longest_chain()
+    assert len(chain) <= 3, " -> ".join(chain)
 
 
 def test_the_rule_catches_an_upward_import(tmp_path):
@@ -78,8 +111,30 @@ def test_the_rule_catches_an_upward_import(tmp_path):
 
     shutil.copytree(ROOT / "mcit", tmp_path / "mcit", ignore=shutil.ignore_patterns("__pycache__"))
     assert import_violations(tmp_path / "mcit") == []
-    (tmp_path / "mcit" / "data" / "probe.py").write_text("def f():\n    from mcit.pipeline import Pipeline\n")
-    assert import_violations(tmp_path / "mcit") == ["mcit.data.probe (data) imports mcit.pipeline (entry)"]
+    (tmp_path / "mcit" / "data" / "probe.py").write_text("def f():\n    from mcit.run.pipeline import Pipeline\n")
+    assert import_violations(tmp_path / "mcit") == ["mcit.data.probe (data) imports mcit.run.pipeline (run)"]
+    (tmp_path / "mcit" / "data" / "probe.py").unlink()
+    (tmp_path / "mcit" / "helpers.py").write_text("X = 1\n")  # a flat module: in no room
+    with pytest.raises(AssertionError, match="mcit.helpers is in no room"):
+        import_violations(tmp_path / "mcit")
+    (tmp_path / "mcit" / "helpers.py").unlink()
+    (tmp_path / "mcit" / "extras").mkdir()  # a folder the order does not place
+    (tmp_path / "mcit" / "extras" / "__init__.py").write_text("")
+    with pytest.raises(AssertionError, match="extras"):
+        import_violations(tmp_path / "mcit")
+
+
+def test_the_floor_count_catches_a_fourth_floor(tmp_path):
+    """A copy of the package where the evaluator imports the method host again (evaluation -> lifecycle ->
+    plan -> ...): the pipeline on top makes four floors."""
+    import shutil
+
+    shutil.copytree(ROOT / "mcit", tmp_path / "mcit", ignore=shutil.ignore_patterns("__pycache__"))
+    assert len(longest_chain(tmp_path / "mcit")) <= 3
+    ev = tmp_path / "mcit" / "run" / "evaluation.py"
+    ev.write_text(ev.read_text() + "\n\ndef _host():\n    from mcit.run.lifecycle import MethodHost\n")
+    chain = longest_chain(tmp_path / "mcit")
+    assert len(chain) == 4 and chain[1:3] == ["mcit.run.evaluation", "mcit.run.lifecycle"], chain
 
 
 PROJECT_DIRS = ("mcit", "pipelines", "data_prep", "bench", "tests")
@@ -131,15 +186,15 @@ def test_no_module_reaches_into_another_modules_private_names():
 
 def test_the_private_name_rule_catches_both_forms():
     private = {"_eval_row", "_master"}
-    src = "from mcit.engine import _master\npipe._eval_row(1)\nself._eval_row(2)\nsuper()._eval_row(3)\n"
-    assert private_reach(src, private) == ["line 1: from mcit.engine import _master", "line 2: pipe._eval_row"]
+    src = "from mcit.run.engine import _master\npipe._eval_row(1)\nself._eval_row(2)\nsuper()._eval_row(3)\n"
+    assert private_reach(src, private) == ["line 1: from mcit.run.engine import _master", "line 2: pipe._eval_row"]
 
 
 def _hook_calls() -> dict[str, set[str]]:
     """Attributes the pipeline, the lifecycle driver, the engine, the subspace protocol and the evaluator
     use on a method object (a variable or attribute named ``method``, or DeepSpeed's ``engine.module``)."""
-    files = ["mcit/pipeline.py", "mcit/lifecycle.py", "mcit/engine.py", "mcit/subspace.py", "mcit/evaluation.py",
-             "pipelines/evaluate.py"]
+    files = ["mcit/run/pipeline.py", "mcit/run/lifecycle.py", "mcit/run/engine.py", "mcit/run/subspace_stage.py", "mcit/run/evaluation.py",
+             "mcit/run/evaluate_only.py"]
     out: dict[str, set[str]] = {}
     for rel in files:
         for node in ast.walk(ast.parse((ROOT / rel).read_text())):
@@ -175,9 +230,9 @@ def test_stages_are_declared_and_the_declarations_are_true():
     """has_subspace_stage / projects_updates are class attributes, never found by introspection in the
     pipeline; each shipped method declares exactly what it implements."""
     from mcit.methods.base import Method
-    from mcit.registry import METHODS
+    from mcit.core.registry import METHODS
 
-    for f in ("mcit/pipeline.py", "mcit/lifecycle.py", "mcit/engine.py"):
+    for f in ("mcit/run/pipeline.py", "mcit/run/lifecycle.py", "mcit/run/engine.py"):
         assert "is not Method." not in (ROOT / f).read_text()
     for name in METHODS.names():
         cls = METHODS.get(name)
@@ -210,10 +265,10 @@ def test_the_design_document_covers_the_plan_and_the_code_points_to_it():
     for heading in ("## Rooms", "## The stage loop", "## The method interface", "## One batch",
                     "## How to add", "## Known faults of the official code"):
         assert heading in text, heading
-    for room, prefixes in ROOMS:
-        for p in prefixes:
-            if p != "mcit":
-                assert f"`{p.replace('.', '/')}" in text, f"{p} ({room}) is not described in docs/architecture.md"
+    for f in sorted((ROOT / "mcit").rglob("*.py")):
+        rel = f.relative_to(ROOT)
+        if f.name != "__init__.py" and rel.parts[1] in ("core", "run", "studies", "cli"):
+            assert f"`{rel.parent}/`" in text and f"`{f.name}`" in text, f"{rel} is not described in docs/architecture.md"
     stale = [str(f.relative_to(ROOT)) for d in ("mcit", "pipelines", "data_prep") for f in (ROOT / d).rglob("*.py")
              if "DESIGN.md" in f.read_text()]
     assert stale == []

@@ -232,7 +232,7 @@ def test_qwen_template_answer_has_no_leading_space(tmp_path):
 
 
 def test_llava_15_tags_default_to_vicuna_v1(mcit_assets):
-    from mcit.config import BackboneConfig
+    from mcit.core.config import BackboneConfig
 
     def fmt(tag: str, **kw: str) -> str:
         return BackboneConfig(kind="llava", path=str(mcit_assets["backbone"]), tag=tag, **kw).chat_format

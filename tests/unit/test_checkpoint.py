@@ -1,4 +1,4 @@
-"""Atomic writes and directory publishing (mcit/checkpoint.py): what a killed writer leaves behind."""
+"""Atomic writes and directory publishing (mcit/core/checkpoint.py): what a killed writer leaves behind."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from mcit.checkpoint import load_state, publish_dir, save_state, staging_dir, write_json
+from mcit.core.checkpoint import load_state, publish_dir, save_state, staging_dir, write_json
 
 
 def test_state_round_trips_with_its_record_in_the_safetensors_metadata(tmp_path):

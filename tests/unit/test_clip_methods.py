@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from mcit.data.types import Batch, TaskSequence
-from mcit.registry import METHODS
+from mcit.core.registry import METHODS
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +51,8 @@ def test_clip_backbone_matches_transformers_clip(clip):
 
 def test_clip_class_names_reach_the_sequence(assets, tmp_path):
     from conftest import tiny_config
-    from mcit.config import load_config
-    from mcit.preflight import preflight
+    from mcit.core.config import load_config
+    from mcit.run.preflight import preflight
 
     cfg = load_config(tiny_config(assets, tmp_path))
     from data_prep.digits import CLASS_NAMES
@@ -242,8 +242,8 @@ def test_star_prompt_two_levels_train_what_they_should_and_infer_per_sample(vit,
 
 def test_star_prompt_names_a_missing_clip_before_loading(assets, tmp_path):
     from conftest import tiny_config
-    from mcit.config import ConfigError, load_config
-    from mcit.preflight import preflight
+    from mcit.core.config import ConfigError, load_config
+    from mcit.run.preflight import preflight
 
     cfg = load_config(tiny_config(assets, tmp_path, method={"name": "star_prompt", "clip_path": str(tmp_path / "nope")}))
     with pytest.raises(ConfigError, match=r"method.clip_path: .*nope"):
@@ -258,10 +258,10 @@ def test_star_prompt_clip_goes_through_the_zoo_and_guards_resume(assets, clip_ba
     import json
 
     from conftest import tiny_config
-    from mcit.config import ConfigError, load_config
+    from mcit.core.config import ConfigError, load_config
     from mcit.models import zoo as Z
-    from mcit.preflight import preflight
-    from mcit.rundir import RunDirError
+    from mcit.run.preflight import preflight
+    from mcit.core.rundir import RunDirError
 
     def cfg(**method):
         return load_config(tiny_config(assets, tmp_path, "star_zoo", method={
@@ -273,14 +273,14 @@ def test_star_prompt_clip_goes_through_the_zoo_and_guards_resume(assets, clip_ba
     assert rec["tag"] == "tiny_clip" and rec["sha256"] == Z.sha256_path(clip_backbone)
     assert plan.backbone_records()["auxiliary"]["clip"] == rec
     # loaded once per process: every rebuild of the method (after each train stage) gets the same CLIP
-    from mcit.lifecycle import MethodHost
+    from mcit.run.lifecycle import MethodHost
 
     host = MethodHost(plan)
     first = host.build().clip
     assert host.load(host.method.state_dict()).clip is first and host.auxiliary == {"clip": first}
     with pytest.raises(ConfigError, match=r"method.clip_path: .*does not match backbone tag 'clip_vitl14_openai'"):
         preflight(cfg(clip_tag="clip_vitl14_openai"))
-    from mcit.config import dump_config
+    from mcit.core.config import dump_config
 
     run = tmp_path / "runs" / "star_zoo"
     run.mkdir(parents=True)

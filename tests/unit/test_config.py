@@ -1,7 +1,7 @@
 import pytest
 import yaml
 
-from mcit.config import ConfigError, apply_overrides, load_config
+from mcit.core.config import ConfigError, apply_overrides, load_config
 
 BASE = {
     "backbone": {"path": "x"},
@@ -79,7 +79,7 @@ def test_every_shipped_config_validates_with_its_method():
     method section validates against the method's own parameter model."""
     from pathlib import Path
 
-    from mcit import sweep as S
+    from mcit.studies import spec as S
 
     repo = Path(__file__).resolve().parents[2]
     paths = sorted((repo / "configs").rglob("*.yaml"))
@@ -98,7 +98,7 @@ def test_every_shipped_config_validates_with_its_method():
     ("cosine", {}, [1.0, 0.8535533905932737, 0.5, 0.14644660940672627]),
 ])
 def test_lr_schedule_is_per_epoch(tmp_path, schedule, extra, factors):
-    from mcit.engine import lr_factor
+    from mcit.run.engine import lr_factor
 
     cfg = load_config(write(tmp_path, {**BASE, "train": {"epochs": 4, "lr_schedule": schedule, **extra}}))
     steps_per_epoch = 3
@@ -110,7 +110,7 @@ def test_cosine_floor_matches_timm_for_every_parameter_group(tmp_path):
     """lr_min is timm's absolute floor for every group. Reference: timm 0.6.7 CosineLRScheduler(t_initial=4,
     lr_min=1e-5, warmup_t=0, cycle_limit=1), two Adam groups at 0.0028125 and 0.00028125 (HiDe's prompt
     and 0.1 x head lr), step(e) for e = 0..4 (run outside the repository)."""
-    from mcit.engine import lr_factor
+    from mcit.run.engine import lr_factor
 
     timm = [[0.0028125, 0.00028125], [0.0024020833771376494, 0.00024152635719842545], [0.00141125, 0.000145625],
             [0.00042041662286235035, 4.972364280157449e-05], [1e-05, 1e-05]]
@@ -124,8 +124,8 @@ def test_cosine_floor_matches_timm_for_every_parameter_group(tmp_path):
 def test_a_run_dir_written_before_a_new_config_key_still_resumes(tmp_path):
     """RunDir.check_belongs_to compares validated configs: a config.yaml that lacks keys added to the schema
     since (they take their defaults) belongs to the same run; a changed value does not."""
-    from mcit.config import dump_config
-    from mcit.rundir import RunDir, RunDirError
+    from mcit.core.config import dump_config
+    from mcit.core.rundir import RunDir, RunDirError
 
     cfg = load_config(write(tmp_path, BASE, "r.yaml"))
     run_dir = tmp_path / "run"
@@ -163,7 +163,7 @@ def test_the_optimizer_takes_the_configured_lr_decay_and_momentum(tmp_path, name
     defaults, so a dropped argument shows)."""
     import torch
 
-    from mcit.engine import make_optimizer
+    from mcit.run.engine import make_optimizer
 
     train = {"optimizer": name, "lr": 0.0123, "weight_decay": 0.034, "momentum": 0.55}
     cfg = load_config(write(tmp_path, {**BASE, "train": train}))

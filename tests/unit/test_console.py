@@ -1,4 +1,4 @@
-"""mcit.console: library chatter goes to the rank log, this project's own warnings still reach the console."""
+"""mcit.core.console: library chatter goes to the rank log, this project's own warnings still reach the console."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import importlib.util
 import logging
 import warnings
 
-from mcit import console
+from mcit.core import console
 
 
 def _library_module(tmp_path):
@@ -57,6 +57,6 @@ def _talk_and_log(lib, tmp_path) -> None:
 
     hf_logging.get_logger("transformers.modeling_utils").warning("some weights were not used")
     logging.getLogger("DeepSpeed").warning("zero stage note")
-    from mcit import distributed
+    from mcit.core import distributed
 
     warnings.warn_explicit("a warning of this project's own code", UserWarning, distributed.__file__, 59)

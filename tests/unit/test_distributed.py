@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from mcit.distributed import prepare_extension_dir
+from mcit.core.distributed import prepare_extension_dir
 
 
 def test_stale_extension_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch):

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from mcit.engine import JsonlLogger, data_seed
+from mcit.run.engine import JsonlLogger, data_seed
 
 
 def test_data_seeds_differ_for_every_task_epoch_and_rank_and_fit_32_bits():
@@ -47,9 +47,9 @@ def test_a_step_checkpoint_is_committed_by_name_and_replaces_the_previous_one(tm
     """A resume reads committed.json: tag, the epoch and micro-step to start from, the step, the world size.
     The previous step's directory goes once the new one is committed (a long task would otherwise keep
     every step's optimizer state on disk); a failed write names the file and commits nothing."""
-    from mcit import distributed as dist
-    from mcit.checkpoint import WriteError
-    from mcit.engine import COMMITTED, TaskTrainer
+    from mcit.core import distributed as dist
+    from mcit.core.checkpoint import WriteError
+    from mcit.run.engine import COMMITTED, TaskTrainer
 
     dist.init()
     steps = tmp_path / "steps"
@@ -69,7 +69,7 @@ def test_a_step_checkpoint_is_committed_by_name_and_replaces_the_previous_one(tm
 
 
 def _ds_run(tmp_path, ds: dict, *overrides: str):
-    from mcit.config import load_config
+    from mcit.core.config import load_config
 
     (tmp_path / "ds.json").write_text(json.dumps(ds))
     return load_config("configs/digits_l2p.yaml", [f"train.deepspeed_config={tmp_path / 'ds.json'}",
@@ -82,7 +82,7 @@ def test_the_deepspeed_config_takes_batch_precision_and_clipping_from_the_run(tm
     precision (bf16 with fp32 gradient accumulation), an optimizer's "auto" lr / weight decay filled in, no
     periodic prints. A JSON value that disagrees with the run stops it naming the key; "auto" or the same
     value passes; train_batch_size must be the run's per-rank batch x the ranks."""
-    from mcit.engine import build_ds_config
+    from mcit.run.engine import build_ds_config
 
     ds = {"zero_optimization": {"stage": 2}, "optimizer": {"type": "Adam", "params": {"lr": "auto", "betas": [0.9, 0.99]}},
           "gradient_accumulation_steps": "auto", "train_micro_batch_size_per_gpu": 4}

@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from mcit.config import validate_config
+from mcit.core.config import validate_config
 from mcit.data.types import Batch, TaskSequence
 from mcit.methods.base import LossTerms, Method, MethodParams
-from mcit.registry import METHODS
+from mcit.core.registry import METHODS
 
 D = 12
 
@@ -54,8 +54,8 @@ METHODS.register("test_gradient_only")(_GradientOnly)
 
 
 def _leak(method_name: str, ds_config: str) -> float:
-    from mcit import distributed as dist
-    from mcit.engine import setup_engine, train_step
+    from mcit.core import distributed as dist
+    from mcit.run.engine import setup_engine, train_step
 
     dist.init()
     cfg = validate_config({"name": "p", "backbone": {"path": "unused"}, "data": {"tasks": ["a"], "root": "."},
@@ -70,7 +70,7 @@ def _leak(method_name: str, ds_config: str) -> float:
     for _ in range(10):
         batch = Batch(torch.randn(8, D, generator=g), torch.randint(0, 3, (8,), generator=g), torch.ones(8), 0)
         train_step(engine, batch, 1.0 / 8)
-    from mcit.engine import full_fp32
+    from mcit.run.engine import full_fp32
 
     d = full_fp32(engine.module.w) - w0  # the optimizer's fp32 master value
     used = engine.module.w.detach() - w0  # what the next forward reads
@@ -124,8 +124,8 @@ METHODS.register("test_two_projected")(_TwoProjected)
 def test_every_projected_parameter_is_projected_by_its_name():
     """The hook walks every parameter (a frozen one first is skipped, not the end of the walk) and hands each
     update to the method under its own name: w stays in span(P) and v in span(Q)."""
-    from mcit import distributed as dist
-    from mcit.engine import full_fp32, setup_engine, train_step
+    from mcit.core import distributed as dist
+    from mcit.run.engine import full_fp32, setup_engine, train_step
 
     dist.init()
     cfg = validate_config({"name": "p", "backbone": {"path": "unused"}, "data": {"tasks": ["a"], "root": "."},
@@ -177,8 +177,8 @@ def test_cosine_schedule_decays_every_group_to_the_same_floor_as_timm():
     """Each parameter group follows timm's CosineLRScheduler from its own base lr to the absolute lr_min.
     Reference (timm 0.6.7, run outside the repository): t_initial 4, lr_min 1e-5, groups at 0.0028125 and
     0.00028125, lr at epochs 0..4."""
-    from mcit import distributed as dist
-    from mcit.engine import setup_engine, train_step
+    from mcit.core import distributed as dist
+    from mcit.run.engine import setup_engine, train_step
 
     timm = [[0.0028125, 0.00028125], [0.0024020833771376494, 0.00024152635719842545], [0.00141125, 0.000145625],
             [0.00042041662286235035, 4.972364280157449e-05], [1e-05, 1e-05]]
@@ -205,8 +205,8 @@ def test_one_projected_sgd_step_moves_down_the_projected_gradient():
     """One plain SGD step (no momentum, no decay) through the engine lands on w0 - lr * P grad, the gradient
     taken by autograd outside the engine: the projection keeps the update's direction and sign (a flipped
     update, old - kept, also stays in the subspace, which the leak test alone cannot tell)."""
-    from mcit import distributed as dist
-    from mcit.engine import full_fp32, setup_engine, train_step
+    from mcit.core import distributed as dist
+    from mcit.run.engine import full_fp32, setup_engine, train_step
 
     dist.init()
     cfg = validate_config({"name": "p", "backbone": {"path": "unused"}, "data": {"tasks": ["a"], "root": "."},

@@ -17,7 +17,7 @@ from torch import nn
 from mcit.data.types import Batch, TaskSequence
 from mcit.methods.base import LossTerms, Method, MethodParams
 from mcit.models.base import Backbone
-from mcit.registry import BACKBONES, METHODS
+from mcit.core.registry import BACKBONES, METHODS
 
 CALLS: list[tuple] = []  # (hook, task, phase) over every build of the method in this process
 
@@ -127,10 +127,10 @@ def resnet_dir(tmp_path_factory) -> Path:
 def test_a_backbone_and_a_method_from_a_test_module_run_through_the_pipeline(assets, resnet_dir, tmp_path):
     from conftest import tiny_config
 
-    from mcit import distributed as dist
-    from mcit.config import ConfigError, load_config
-    from mcit.pipeline import Pipeline
-    from mcit.preflight import preflight
+    from mcit.core import distributed as dist
+    from mcit.core.config import ConfigError, load_config
+    from mcit.run.pipeline import Pipeline
+    from mcit.run.preflight import preflight
 
     path = tiny_config(assets, tmp_path, "extend", data={"tasks": ["task0", "task1"]},
                        backbone={"kind": "test_resnet", "path": str(resnet_dir), "tag": "resnet_toy",

@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 
 from mcit.data import transforms
-from mcit.data.loader import classification_collate, eval_batches, micro_steps_per_epoch, train_batches
+from mcit.data.loader import LoaderOptions, classification_collate, eval_batches, micro_steps_per_epoch, train_batches
 from mcit.data.shards import DataError, open_split, write_split
 
 
@@ -49,7 +49,7 @@ def _train(split, workers: int, skip: int = 0, aug_seed: int = 11, rank: int = 1
     steps = micro_steps_per_epoch(split, 2, 4, 1, "sample")
     return list(train_batches(split, rank=rank, world=2, batch_size=4, num_steps=steps + 2, skip_steps=skip, seed=3,
                               policy="sample", shuffle_buffer=5, collate=_collate(split), aug_seed=aug_seed,
-                              num_workers=workers))
+                              loader=LoaderOptions(num_workers=workers)))
 
 
 def _same(a, b) -> bool:
@@ -93,7 +93,7 @@ def test_a_sample_s_augmentation_depends_on_the_seed_and_its_key_only(split):
 def test_eval_batches_are_identical_for_0_and_2_workers(split):
     ev = _collate(split, "l2p", train=False)
     a = list(eval_batches(split, rank=0, world=2, batch_size=5, policy="shard", collate=ev))
-    b = list(eval_batches(split, rank=0, world=2, batch_size=5, policy="shard", collate=ev, num_workers=2))
+    b = list(eval_batches(split, rank=0, world=2, batch_size=5, policy="shard", collate=ev, loader=LoaderOptions(num_workers=2)))
     assert sum(len(x) for x in a) > 5 and _same(a, b)
 
 
@@ -104,7 +104,7 @@ def test_a_sample_that_cannot_be_decoded_in_a_worker_is_one_line_naming_it(tmp_p
     sp = open_split(tmp_path / "bad")
     with pytest.raises(DataError) as e:
         list(eval_batches(sp, rank=0, world=1, batch_size=3, policy="sample", collate=_collate(sp, "backbone", False),
-                          num_workers=2))
+                          loader=LoaderOptions(num_workers=2)))
     msg = str(e.value)
     assert "\n" not in msg and "sample p0006" in msg and "cannot decode" in msg
 
@@ -138,12 +138,11 @@ def test_a_stuck_worker_stops_the_stream_with_one_line_naming_the_split(split, s
         if stream == "train":
             collate = _StuckInWorker(_collate(split), "p0020")
             batches = train_batches(split, rank=0, world=1, batch_size=4, num_steps=12, skip_steps=0, seed=0,
-                                    policy="sample", shuffle_buffer=1, collate=collate, aug_seed=11, num_workers=2,
-                                    worker_timeout_s=2)
+                                    policy="sample", shuffle_buffer=1, collate=collate, aug_seed=11, loader=LoaderOptions(num_workers=2, worker_timeout_s=2))
         else:
             collate = _StuckInWorker(_collate(split, "backbone", False), "p0020")
             batches = eval_batches(split, rank=0, world=1, batch_size=4, policy="sample", collate=collate,
-                                   num_workers=2, worker_timeout_s=2)
+                                   loader=LoaderOptions(num_workers=2, worker_timeout_s=2))
         for b in batches:
             got.append(b)
     elapsed = time.monotonic() - t0
@@ -172,7 +171,7 @@ def test_one_stream_over_several_splits_or_epochs_equals_one_stream_each(split, 
         {0: 0, 1: 1, 2: 2}, 0, split)
     small = _collate(other, "l2p", train=False)
     got = list(eval_parts([split, other], [big, small], rank=0, world=1, batch_size=20, policy="sample",
-                          num_workers=2))
+                          loader=LoaderOptions(num_workers=2)))
     assert [i for i, _ in got] == [0, 0, 0, 1]
     want = [list(eval_batches(split, rank=0, world=1, batch_size=20, policy="sample", collate=big)),
             list(eval_batches(other, rank=0, world=1, batch_size=20, policy="sample", collate=small))]
@@ -180,7 +179,7 @@ def test_one_stream_over_several_splits_or_epochs_equals_one_stream_each(split, 
     steps = micro_steps_per_epoch(split, 2, 4, 1, "sample")
     epochs = [Epoch(2, 3, 11), Epoch(0, 4, 12)]  # a resumed first epoch, then a whole one
     stream = list(train_epochs(split, epochs, rank=1, world=2, batch_size=4, num_steps=steps, policy="sample",
-                               shuffle_buffer=5, collate=_collate(split), num_workers=2))
+                               shuffle_buffer=5, collate=_collate(split), loader=LoaderOptions(num_workers=2)))
     each = [b for e in epochs for b in train_batches(split, rank=1, world=2, batch_size=4, num_steps=steps,
                                                      skip_steps=e.skip_steps, seed=e.seed, policy="sample",
                                                      shuffle_buffer=5, collate=_collate(split), aug_seed=e.aug_seed)]
@@ -215,26 +214,26 @@ def test_workers_persist_across_streams_and_take_each_streams_own_collate(split)
 
     shutdown_workers()
     a, b = _Tagged(_collate(split, "backbone", False), "a"), _Tagged(_collate(split, "l2p", True), "b")
-    ev = lambda c, w: list(eval_batches(split, rank=0, world=1, batch_size=4, policy="sample", collate=c, num_workers=w))
+    ev = lambda c, w: list(eval_batches(split, rank=0, world=1, batch_size=4, policy="sample", collate=c, loader=LoaderOptions(num_workers=w)))
     keys, tags, pids = _parts(ev(a, 2))
     assert len(keys) == 45 and set(tags) == {"a"} and len(pids - {str(os.getpid())}) == 2  # two workers did most
     workers = pids - {str(os.getpid())}
     tr = list(train_batches(split, rank=0, world=1, batch_size=4, num_steps=12, skip_steps=0, seed=3, policy="sample",
-                            shuffle_buffer=5, collate=b, aug_seed=11, num_workers=2))
+                            shuffle_buffer=5, collate=b, aug_seed=11, loader=LoaderOptions(num_workers=2)))
     tkeys, ttags, tpids = _parts(tr)
     assert set(ttags) == {"b"} and tpids - {str(os.getpid())} == workers  # the same workers, the new collate
     inline = list(train_batches(split, rank=0, world=1, batch_size=4, num_steps=12, skip_steps=0, seed=3,
-                                policy="sample", shuffle_buffer=5, collate=b, aug_seed=11, num_workers=0))
+                                policy="sample", shuffle_buffer=5, collate=b, aug_seed=11, loader=LoaderOptions(num_workers=0)))
     assert all(torch.equal(x.pixel_values, y.pixel_values) for x, y in zip(tr, inline)) and len(tr) == len(inline)
     c = _Tagged(_collate(split, "backbone", False), "c")
-    stream = iter(eval_batches(split, rank=0, world=1, batch_size=4, policy="sample", collate=c, num_workers=2))
+    stream = iter(eval_batches(split, rank=0, world=1, batch_size=4, policy="sample", collate=c, loader=LoaderOptions(num_workers=2)))
     next(stream), next(stream)
     del stream  # abandoned with batches still in the workers: the next stream must not receive them
     keys, tags, pids = _parts(ev(a, 2))
     assert keys == _parts(ev(a, 0))[0] and set(tags) == {"a"} and pids - {str(os.getpid())} == workers
     from mcit.data.loader import eval_parts
 
-    row = list(eval_parts([split, split], [a, c], rank=0, world=1, batch_size=4, policy="sample", num_workers=2))
+    row = list(eval_parts([split, split], [a, c], rank=0, world=1, batch_size=4, policy="sample", loader=LoaderOptions(num_workers=2)))
     assert [(i, t) for i, batch in row for t in _parts([batch])[1]] == [(0, "a")] * 45 + [(1, "c")] * 45
 
 
@@ -249,7 +248,7 @@ def test_a_collate_that_cannot_travel_gets_workers_of_its_own(split):
     inner = _collate(split, "backbone", False)
     closure = lambda samples, seed=None: inner(samples, seed)  # noqa: E731
     want = list(eval_batches(split, rank=0, world=1, batch_size=4, policy="sample", collate=inner))
-    got = list(eval_batches(split, rank=0, world=1, batch_size=4, policy="sample", collate=closure, num_workers=2))
+    got = list(eval_batches(split, rank=0, world=1, batch_size=4, policy="sample", collate=closure, loader=LoaderOptions(num_workers=2)))
     assert _same(got, want)
     pool = WorkerPool(1, False, 600.0)
     model = torch.nn.Linear(4, 4)
@@ -258,10 +257,10 @@ def test_a_collate_that_cannot_travel_gets_workers_of_its_own(split):
     assert pool.register([heavy]) is None and pool.register([_Tagged(inner, torch.zeros(1 << 21))]) is None
     keys = pool.register([inner, _Tagged(inner, "x"), inner])
     assert keys is not None and keys[0] == keys[2] != keys[1] and sorted(os.listdir(pool.directory)) == sorted(set(keys))
-    outer = eval_batches(split, rank=0, world=1, batch_size=4, policy="sample", collate=_Tagged(inner, "o"), num_workers=2)
+    outer = eval_batches(split, rank=0, world=1, batch_size=4, policy="sample", collate=_Tagged(inner, "o"), loader=LoaderOptions(num_workers=2))
     first = [next(outer)]
     nested = list(eval_batches(split, rank=0, world=1, batch_size=4, policy="sample", collate=_Tagged(inner, "n"),
-                               num_workers=2))
+                               loader=LoaderOptions(num_workers=2)))
     rest = first + list(outer)
     assert _parts(nested)[0] == _parts(rest)[0] == [k for b in want for k in b.keys]
     assert set(_parts(nested)[1]) == {"n"} and set(_parts(rest)[1]) == {"o"}

@@ -11,8 +11,8 @@ import pytest
 from conftest import http_served
 from PIL import Image
 
-from mcit import locations as L
-from mcit.config import RunConfig
+from mcit.core import locations as L
+from mcit.core.config import RunConfig
 from mcit.data.shards import DataError, iter_samples, open_split, write_split
 
 pytestmark = pytest.mark.unit

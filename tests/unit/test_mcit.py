@@ -10,8 +10,8 @@ import torch
 
 from conftest import ROOT, mcit_config, run_main
 from raw_formats import convert
-from mcit import scorers as S
-from mcit.subspace import energy_basis, project_out, token_covariance
+from mcit.core import scorers as S
+from mcit.core.subspace import energy_basis, project_out, token_covariance
 
 
 # -- scorers ----------------------------------------------------------------------------------------
@@ -132,7 +132,7 @@ def test_the_collate_travels_to_persistent_workers_without_the_model(llava, back
 
 def test_generation_does_not_depend_on_the_batch(llava):
     from mcit.data.types import TaskSequence
-    from mcit.registry import METHODS
+    from mcit.core.registry import METHODS
 
     bb, split, samples = llava
     cls = METHODS.get("fwd_prompt")
@@ -148,7 +148,7 @@ def test_fwd_prompt_ablations_project_onto_or_out_of_the_pretrained_space(llava)
     """``combine: pretrained_only`` keeps every update inside the pre-trained core space (reuse only);
     the default keeps updates out of the old tasks' spaces; ``project: false`` leaves them alone."""
     from mcit.data.types import TaskSequence
-    from mcit.registry import METHODS
+    from mcit.core.registry import METHODS
 
     bb, _, _ = llava
     cls = METHODS.get("fwd_prompt")
@@ -174,7 +174,7 @@ def test_fwd_prompt_ablations_project_onto_or_out_of_the_pretrained_space(llava)
 
 def test_lora_rebuild_reuses_injected_adapters(llava):
     from mcit.data.types import TaskSequence
-    from mcit.registry import METHODS
+    from mcit.core.registry import METHODS
 
     bb, split, samples = llava
     cls = METHODS.get("lora")
@@ -201,7 +201,7 @@ def test_lora_family_starts_as_the_pretrained_model_and_rebuilds_from_its_state(
     current task's pair, and from the second task on its orthogonality term is positive."""
     from mcit.data.types import TaskSequence
     from mcit.models.mllm import MLLMBackbone
-    from mcit.registry import METHODS
+    from mcit.core.registry import METHODS
 
     _, split, samples = llava
     bb = MLLMBackbone.from_path(str(mcit_assets["backbone"]))  # its own: each method injects its own layers
@@ -240,14 +240,14 @@ def test_lora_family_starts_as_the_pretrained_model_and_rebuilds_from_its_state(
 
 
 def test_every_shipped_config_validates():
-    from mcit.config import load_config
+    from mcit.core.config import load_config
 
     names = sorted(p.name for p in (ROOT / "configs").glob("*.yaml"))
     assert {"tiny_mcit_fwd_prompt.yaml", "coin_llava7b_fwd_prompt.yaml", "ucit_llava7b_fwd_prompt.yaml"} <= set(names)
     for name in names:
         cfg = load_config(ROOT / "configs" / name)
         if cfg.backbone.kind == "llava":
-            from mcit import caption_metrics, scorers
+            from mcit.core import caption_metrics, scorers
 
             assert all(t.scorer in scorers.SCORERS or t.scorer in caption_metrics.CORPUS
                        for t in cfg.data.tasks if not isinstance(t, str) and t.scorer)
@@ -256,7 +256,7 @@ def test_every_shipped_config_validates():
 def test_llava_15_7b_architecture_builds_without_weights():
     from mcit.data.types import TaskSequence
     from mcit.models.mllm import build_empty
-    from mcit.registry import METHODS
+    from mcit.core.registry import METHODS
 
     bb = build_empty("llava-1.5-7b")
     total = sum(p.numel() for p in bb.model.parameters())
@@ -347,7 +347,7 @@ def test_instructblip_backbone_trains_prompts_and_generates_per_sample(mcit_asse
     from mcit.data.types import TaskSequence
     from mcit.models.tiny_llava import build_instructblip, train_tokenizer
     from mcit.models.base import load_backbone
-    from mcit.registry import METHODS
+    from mcit.core.registry import METHODS
 
     model, proc = build_instructblip(train_tokenizer(B.corpus(), image_token_attribute=False))
     model.save_pretrained(tmp_path / "iblip")
@@ -374,7 +374,7 @@ def test_quantized_frozen_backbone(mcit_assets, mode, layer):
     from mcit.data.shards import iter_samples, open_split
     from mcit.data.types import TaskSequence
     from mcit.models.mllm import MLLMBackbone
-    from mcit.registry import METHODS
+    from mcit.core.registry import METHODS
 
     bb = MLLMBackbone.from_path(str(mcit_assets["backbone"]), quantization=mode)
     assert type(bb.language_model.layers[0].self_attn.q_proj).__name__ == layer
@@ -397,7 +397,7 @@ def test_qwen2_vl_backbone_mrope_prompts_and_own_greedy_loop(mcit_assets, tmp_pa
     from mcit.data.types import TaskSequence
     from mcit.models.tiny_llava import build_qwen2_vl, train_tokenizer
     from mcit.models.base import load_backbone
-    from mcit.registry import METHODS
+    from mcit.core.registry import METHODS
 
     model, proc = build_qwen2_vl(train_tokenizer(B.corpus()))
     model.save_pretrained(tmp_path / "qwen")
@@ -452,7 +452,7 @@ def test_answer_rows_carry_coin_fields_and_the_record_reaches_the_scorer(llava, 
     from PIL import Image
 
     from mcit.data.shards import iter_samples, open_split
-    from mcit.evaluation import answer_row
+    from mcit.run.evaluation import answer_row
 
     bb = llava[0]
     (tmp_path / "img").mkdir()
@@ -485,7 +485,7 @@ def test_energy_basis_thresholds_are_inclusive_and_count_captured_energy():
       (not counting e1's energy would ask the residual 3 + 2 + 1 for all 7 and take every direction).
     * all of it again at 1/1024 of the scale (trace 0.0098): energy fractions do not depend on units, so a
       constant anywhere (an eigenvalue floor, a "nothing to do" threshold on the trace) shows here."""
-    from mcit.subspace import energy_basis
+    from mcit.core.subspace import energy_basis
 
     for scale in (1.0, 2.0 ** -10):  # a power of two: the scaled sums stay exact
         cov = torch.diag(torch.tensor([4.0, 3.0, 2.0, 1.0], dtype=torch.float64)) * scale
@@ -579,7 +579,7 @@ def test_box_iou_on_boxes_that_are_not_squares_at_the_origin():
     """Every coordinate differs (x0 1, y0 2, x1 5, y1 10 against 3, 0, 9, 6), so reading one index for another
     changes the value. By hand: the overlap is x 3..5 by y 2..6 = 8, the areas 4 x 8 = 32 and 6 x 6 = 36, the
     union 60: IoU 8/60. Disjoint boxes give 0, a box with itself 1, two empty boxes (no union) 0."""
-    from mcit import scorers as S
+    from mcit.core import scorers as S
 
     a, b = [1.0, 2.0, 5.0, 10.0], [3.0, 0.0, 9.0, 6.0]
     for iou in (S.box_iou, S.coin_iou):
@@ -592,7 +592,7 @@ def test_answer_normalisation_and_option_letters_at_their_edges():
     """EvalAI's processing lower-cases, drops commas and question marks and splits "'s" off ("The Dog's ball,
     ok?" is "dog 's ball ok"); newlines and tabs are spaces; "an" is an article like "a" and "the". An option
     letter is read from "B. text", from a bare "B", from the first one-letter word, else "FAILED"."""
-    from mcit import scorers as S
+    from mcit.core import scorers as S
 
     assert S.evalai_normalise("The Dog's ball,\tok?\n") == "dog 's ball ok"
     assert S.evalai_normalise("an apple") == S.evalai_normalise("apple") == "apple"
@@ -624,8 +624,8 @@ def test_stream_statistics_sums_every_batch_and_concatenates_rows_in_order():
     """One process, three batches (the middle one yields no statistic): the sums cover every batch, not the
     last; "cat:" rows are concatenated in batch order, not summed; finalize_statistics gets the task; the
     report carries the per-rank state digest."""
-    from mcit import distributed as dist
-    from mcit.subspace import state_digest, stream_statistics
+    from mcit.core import distributed as dist
+    from mcit.run.subspace_stage import state_digest, stream_statistics
 
     class _B:
         def __init__(self, x: torch.Tensor | None) -> None:
@@ -681,7 +681,8 @@ def test_stream_statistics_sums_every_batch_and_concatenates_rows_in_order():
 def test_state_digest_sees_every_byte_and_token_covariance_counts_tokens():
     """The subspace stage compares ranks' state digests to catch a diverged rank: one changed value must change
     the digest. The token count is the number of valid tokens (rows), not the embedding width."""
-    from mcit.subspace import state_digest, token_covariance
+    from mcit.core.subspace import token_covariance
+    from mcit.run.subspace_stage import state_digest
 
     a = {"w": torch.zeros(3), "b": torch.ones(2)}
     assert state_digest(a) == state_digest({k: v.clone() for k, v in a.items()})
@@ -719,9 +720,9 @@ def test_batch_to_keeps_the_allowed_classes():
 
 
 def test_joint_schedule_and_validation_carve_plan_one_stage_on_every_tasks_fit_part(mcit_assets, tmp_path):
-    from mcit.config import load_config
-    from mcit.pipeline import stage_keys
-    from mcit.preflight import preflight
+    from mcit.core.config import load_config
+    from mcit.run.pipeline import stage_keys
+    from mcit.run.preflight import preflight
 
     path = mcit_config(mcit_assets, tmp_path)
     seq = preflight(load_config(path))

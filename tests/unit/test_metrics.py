@@ -3,7 +3,7 @@ import json
 import numpy as np
 import pytest
 
-from mcit import metrics as M
+from mcit.core import metrics as M
 
 
 def test_metrics_against_hand_computed_matrix():

@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from mcit.config import ConfigError, load_config
+from mcit.core.config import ConfigError, load_config
 from mcit.data import transforms as X
 from mcit.models.clip import CLIPBackbone
 from mcit.models.vit import ViTBackbone
-from mcit.preflight import ResolvedBackbone, image_pipeline
+from mcit.run.plan import ResolvedBackbone
+from mcit.run.preflight import image_pipeline
 
 pytestmark = pytest.mark.unit
 

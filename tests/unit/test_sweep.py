@@ -9,8 +9,8 @@ import pytest
 import yaml
 
 from conftest import ROOT, sweep_spec
-from mcit import sweep as S
-from mcit.config import ConfigError
+from mcit.studies import spec as S
+from mcit.core.config import ConfigError
 
 
 def test_cli_orders_and_grid_parse():
@@ -77,7 +77,7 @@ def test_bad_specs_fail_in_one_line_before_any_run(assets, tmp_path):
 def test_study_rule_takes_the_best_validation_setting_unless_the_gap_is_inside_the_seed_noise(tmp_path):
     import shutil
 
-    from mcit.study import select
+    from mcit.studies.study import select
 
     shutil.copy(ROOT / "configs" / "tiny_mcit_lora.yaml", tmp_path / "lora.yaml")  # its own lr: 0.002
 

@@ -374,10 +374,10 @@ def test_a_zoo_tag_in_the_config_converts_once_records_its_sha_and_guards_the_ru
     record carries the file's sha256, and a run directory started with another checkpoint is refused."""
     import yaml
 
-    from mcit.config import dump_config, load_config
+    from mcit.core.config import dump_config, load_config
     from mcit.models.base import load_backbone
-    from mcit.preflight import preflight
-    from mcit.rundir import RunDirError
+    from mcit.run.preflight import preflight
+    from mcit.core.rundir import RunDirError
 
     monkeypatch.setitem(Z.ZOO, "dino_vitb16", tiny("dino_vitb16"))  # the real tag's ViT-B/16 shape, shrunk
     path, reference = _write(tmp_path, "dino")

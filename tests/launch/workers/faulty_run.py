@@ -5,15 +5,15 @@
 
 Right after optimizer step ``step`` of task ``task``, sends SIGNAL (default KILL) to every rank (after a
 barrier, so all of them reach the step) or only to ``rank`` (``*`` = every rank). The fault goes in through
-``mcit.engine.on_optimizer_step``; the production entry point reads no such variable.
+``mcit.run.engine.on_optimizer_step``; the production entry point reads no such variable.
 
     MCIT_TEST_NONFINITE=task:step[:rank[:nan|inf]] python tests/launch/workers/faulty_run.py --config C ...
 
 makes the loss of optimizer step ``step`` of task ``task`` NaN (or inf) on every rank or on ``rank`` alone,
-once (the first micro-batch of that step), through the test-only seam ``mcit.engine.on_loss``.
+once (the first micro-batch of that step), through the test-only seam ``mcit.run.engine.on_loss``.
 
     MCIT_TEST_WRITE_FAIL=relative/path[:ERRNO]  makes the first write of a file whose path ends with
-    ``relative/path`` fail with OSError(ERRNO) (default ENOSPC), through ``mcit.checkpoint.on_write``.
+    ``relative/path`` fail with OSError(ERRNO) (default ENOSPC), through ``mcit.core.checkpoint.on_write``.
 
     MCIT_TEST_PAUSE=task:step:seconds[:release_file]  sleeps on every rank after that optimizer step (a slow
     run, results unchanged), at most ``seconds``, ending early once ``release_file`` exists.
@@ -36,8 +36,8 @@ def install(spec: str) -> None:
     who = int(parts[2]) if len(parts) > 2 and parts[2] != "*" else None
     sig = signal.Signals[f"SIG{parts[3]}"] if len(parts) > 3 else signal.SIGKILL
 
-    from mcit import distributed as dist
-    from mcit.engine import on_optimizer_step
+    from mcit.core import distributed as dist
+    from mcit.run.engine import on_optimizer_step
 
     @on_optimizer_step
     def fault(t: int, gstep: int, engine: object) -> None:
@@ -54,8 +54,8 @@ def install_nonfinite(spec: str) -> None:
     who = int(parts[2]) if len(parts) > 2 and parts[2] != "*" else None
     value = float(parts[3]) if len(parts) > 3 else float("nan")
 
-    from mcit import distributed as dist
-    from mcit.engine import on_loss
+    from mcit.core import distributed as dist
+    from mcit.run.engine import on_loss
 
     fired = []
 
@@ -72,7 +72,7 @@ def install_pause(spec: str) -> None:
     task, step, seconds, *release = spec.split(":", 3)
     import time
 
-    from mcit.engine import on_optimizer_step
+    from mcit.run.engine import on_optimizer_step
 
     @on_optimizer_step
     def pause(t: int, gstep: int, engine: object) -> None:
@@ -88,7 +88,7 @@ def install_write_fail(spec: str) -> None:
     suffix, _, name = spec.partition(":")
     code = getattr(errno, name or "ENOSPC")
 
-    from mcit.checkpoint import on_write
+    from mcit.core.checkpoint import on_write
 
     fired = []
 
@@ -108,7 +108,7 @@ if __name__ == "__main__":
         install(os.environ["MCIT_TEST_FAULT"])
     if os.environ.get("MCIT_TEST_NONFINITE"):
         install_nonfinite(os.environ["MCIT_TEST_NONFINITE"])
-    from mcit.distributed import exit_process
-    from pipelines.run_task_sequence import main
+    from mcit.core.distributed import exit_process
+    from mcit.cli.run import main
 
     exit_process(main())  # as pipelines/run_task_sequence.py ends

@@ -13,14 +13,14 @@ import torch
 
 
 def run(method_name: str, params: dict, ds: str, backbone: str, shards: str) -> dict:
-    from mcit import distributed as dist
-    from mcit.config import validate_config
+    from mcit.core import distributed as dist
+    from mcit.core.config import validate_config
     from mcit.data.loader import train_batches
     from mcit.data.shards import open_split
     from mcit.data.types import TaskSequence
-    from mcit.engine import consolidated_state, setup_engine, train_step
+    from mcit.run.engine import consolidated_state, setup_engine, train_step
     from mcit.models.mllm import MLLMBackbone
-    from mcit.registry import METHODS
+    from mcit.core.registry import METHODS
 
     bb = MLLMBackbone.from_path(backbone)  # one backbone per method: each injects its own LoRA layers
     cfg = validate_config({"name": "l", "backbone": {"kind": "llava", "path": "unused"},
@@ -55,7 +55,7 @@ def run(method_name: str, params: dict, ds: str, backbone: str, shards: str) -> 
 
 
 def main(backbone: str, shards: str, out: str, zero2: str, zero3: str) -> None:
-    from mcit import distributed as dist
+    from mcit.core import distributed as dist
 
     dist.init()
     res = {"lora": run("lora", {"r": 2}, zero2, backbone, shards),
@@ -68,6 +68,6 @@ def main(backbone: str, shards: str, out: str, zero2: str, zero3: str) -> None:
 
 if __name__ == "__main__":
     main(*[a for a in sys.argv[1:] if not a.startswith("--local_rank")])
-    from mcit.distributed import exit_process
+    from mcit.core.distributed import exit_process
 
     exit_process(0)

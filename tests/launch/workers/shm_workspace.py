@@ -12,7 +12,7 @@ import torch
 
 
 def main(out: str) -> None:
-    from mcit import distributed as dist
+    from mcit.core import distributed as dist
 
     path = dist.shm_workspace_path()
     dist.init()
@@ -29,6 +29,6 @@ def main(out: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[-1])
-    from mcit.distributed import exit_process
+    from mcit.core.distributed import exit_process
 
     exit_process(0)

@@ -58,11 +58,11 @@ def _recording(method, kept: dict[str, torch.Tensor]) -> None:
 
 
 def main(out: str, *configs: str) -> None:
-    from mcit import distributed as dist
-    from mcit.config import load_config
-    from mcit.engine import on_optimizer_step
-    from mcit.pipeline import Pipeline
-    from mcit.preflight import preflight
+    from mcit.core import distributed as dist
+    from mcit.core.config import load_config
+    from mcit.run.engine import on_optimizer_step
+    from mcit.run.pipeline import Pipeline
+    from mcit.run.preflight import preflight
 
     dist.init()
     report: dict[str, dict] = {}
@@ -111,6 +111,6 @@ def main(out: str, *configs: str) -> None:
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
     main(*[a for a in sys.argv[1:] if not a.startswith("--local_rank")])
-    from mcit.distributed import exit_process
+    from mcit.core.distributed import exit_process
 
     exit_process(0)

@@ -2,10 +2,10 @@
 
 The order is written once, in ``mcit.methods.base.Method``'s docstring; ``MethodHost`` is the only
 code that calls ``set_task``, ``set_phase``, ``before_task``, ``after_task`` and ``zero_shot``. The
-pipeline's stages and ``pipelines/evaluate.py`` both go through it, so an evaluation-only pass sees
+pipeline's stages, ``mcit.run.evaluate_only`` and the benches all go through it, so an evaluation-only pass sees
 a method in exactly the state the pipeline's own eval stage did. The work between the hooks is done
-elsewhere: training steps by ``mcit.engine``, statistics by ``mcit.subspace``, predictions by
-``mcit.evaluation``.
+elsewhere: training steps by ``mcit.run.engine``, statistics by ``mcit.run.subspace_stage``, predictions by
+``mcit.run.evaluation``.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from mcit import distributed as dist
+from mcit.core import distributed as dist
 from mcit.data.shards import Split
 from mcit.methods.base import Method
 from mcit.models.base import Backbone, load_backbone
-from mcit.preflight import Plan, ResolvedBackbone
-from mcit.registry import METHODS
+from mcit.run.plan import Plan, ResolvedBackbone
+from mcit.core.registry import METHODS
 
 
 def _load(resolved: ResolvedBackbone, dtype: torch.dtype) -> Backbone:
@@ -99,18 +99,23 @@ class MethodHost:
         """The start of an evaluation after ``task``: the method in its last phase, as after training."""
         return self.enter(task, self.method_cls.phases[-1])
 
+    def begin_train(self, task: int, phase: str) -> Method:
+        """The start of a train stage (``set_task``, ``set_phase``, ``before_task``): the method to train."""
+        self.enter(task, phase)
+        self.method.before_task(task)
+        return self.method
+
     def train(self, task: int, phase: str, run_steps: Callable[[Method], dict[str, torch.Tensor]]) -> None:
         """One train stage: ``run_steps(method)`` (the engine) returns the trained state, which a fresh
         method loads before ``after_task``. A method with nothing to train gets its hooks only."""
-        self.enter(task, phase)
-        self.method.before_task(task)
+        self.begin_train(task, phase)
         if self.method.trainable_parameters():
             self.load(run_steps(self.method))
             self.enter(task, phase)
         self.method.after_task(task)
 
     def subspace(self, task: int, phase: str, stream: Callable[[Method], dict[str, Any]]) -> dict[str, Any] | None:
-        """One subspace stage: ``stream(method)`` (``mcit.subspace.stream_statistics``) only for a method
+        """One subspace stage: ``stream(method)`` (``mcit.run.subspace_stage.stream_statistics``) only for a method
         that declares one; returns what it reports."""
         self.enter(task, phase)
         return stream(self.method) if self.method.has_subspace_stage else None

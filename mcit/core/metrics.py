@@ -101,7 +101,7 @@ def heatmap(path: Path, tasks: list[str], acc: list[list[float]], title: str, ro
     fig.tight_layout()
     import io
 
-    from mcit.checkpoint import atomic_write_bytes
+    from mcit.core.checkpoint import atomic_write_bytes
 
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)

@@ -1,6 +1,6 @@
 """Tables and figures of a study made of sweeps: the selection rule, the seeds table, the plots under docs/.
 
-    python -m mcit.study --selection runs/sweeps/tiny_mcit_tuning_prompts runs/sweeps/tiny_mcit_tuning_lora \\
+    mcit-study --selection runs/sweeps/tiny_mcit_tuning_prompts runs/sweeps/tiny_mcit_tuning_lora \\
         runs/sweeps/tiny_mcit_fwd_prompt_ablation --final runs/sweeps/tiny_mcit_seeds --out docs/mcit_study
 
 Selection sweeps evaluate on a validation carve (``data.validation``); the final sweep runs each method's chosen
@@ -15,20 +15,18 @@ can still learn, the other side of forgetting.
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from mcit.checkpoint import atomic_write_text
-from mcit import metrics as M
-from mcit.config import load_config
-from mcit.sweep import cell, save_figure
+from mcit.core.checkpoint import atomic_write_text
+from mcit.core import metrics as M
+from mcit.core.config import load_config
+from mcit.studies.results import cell, save_figure
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 COLUMNS = ["final_avg_acc", "plasticity", "forgetting", "bwt", "fwd"]
 
 
@@ -202,29 +200,20 @@ def _saved(fig: Any, path: Path) -> Path:
     return path
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--selection", nargs="+", type=Path, default=[], help="sweeps on the validation carve")
-    ap.add_argument("--final", type=Path, default=None, help="the sweep of the chosen defaults on the test split")
-    ap.add_argument("--out", type=Path, default=None, help="write <out>.md and the figures beside it")
-    args = ap.parse_args(argv)
-    selection = rows_of(args.selection)
+def write_study(selection_sweeps: list[Path], final_sweep: Path | None, out: Path | None) -> tuple[str, list[Path]]:
+    """The study's Markdown (selection table with the chosen settings, then the test-split table) and, with
+    ``out``, ``<out>.md`` and the figures beside it; returns (text, figures written)."""
+    selection = rows_of(selection_sweeps)
     chosen = select(selection, ROOT / "configs") if selection else {}
     text = ""
     if selection:
         text += "## Selection (validation carve)\n\n" + table(selection, chosen) + "\n"
-    final = rows_of([args.final]) if args.final else []
+    final = rows_of([final_sweep]) if final_sweep else []
     if final:
-        zs = zero_shot_row(args.final)
+        zs = zero_shot_row(final_sweep)
         text += "## Test split, chosen defaults\n\n" + table(([zs] if zs else []) + final) + "\n"
-    print(text, end="")
-    if args.out is not None:
-        atomic_write_text(args.out.with_suffix(".md"), text)
-        for p in figures(selection, final, args.out.parent):
-            print(f"wrote {p}")
-    sys.stdout.flush()
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    made: list[Path] = []
+    if out is not None:
+        atomic_write_text(out.with_suffix(".md"), text)
+        made = figures(selection, final, out.parent)
+    return text, made

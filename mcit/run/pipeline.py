@@ -7,8 +7,8 @@ Stages, in order: ``reference`` (methods that need the backbone's pre-trained st
 files, and ``state.json`` (written last, by rename) is the commit point: a re-run of the same command
 skips every stage it lists and loads the method state the last stage left in
 ``checkpoints/current.safetensors``. The train stage also keeps DeepSpeed step checkpoints, so a run
-killed mid-task resumes from its last step. The method's hooks are called by ``mcit.lifecycle`` only;
-the layout of the run directory is ``mcit.rundir``'s.
+killed mid-task resumes from its last step. The method's hooks are called by ``mcit.run.lifecycle`` only;
+the layout of the run directory is ``mcit.core.rundir``'s.
 """
 
 from __future__ import annotations
@@ -20,20 +20,20 @@ from typing import Any
 
 import torch
 
-from mcit import distributed as dist
-from mcit import metrics as M
-from mcit import preemption
-from mcit.checkpoint import atomic_write_text, load_state, read_json, save_state, write_json
-from mcit.config import dump_config
+from mcit.core import distributed as dist
+from mcit.core import preemption
+from mcit.core.checkpoint import atomic_write_text, load_state, read_json, save_state, write_json
+from mcit.core.config import dump_config
+from mcit.core.registry import METHODS
+from mcit.core.rundir import RunDir
 from mcit.data.loader import eval_batches
 from mcit.data.shards import Split
-from mcit.engine import JsonlLogger, TaskTrainer
-from mcit.evaluation import evaluate_row, first_task_loss
-from mcit.lifecycle import MethodHost
-from mcit.preflight import Plan
-from mcit.registry import METHODS
-from mcit.rundir import RunDir
-from mcit.subspace import stream_statistics
+from mcit.run.engine import JsonlLogger, TaskTrainer
+from mcit.run.evaluation import evaluate_row, first_task_loss
+from mcit.run.lifecycle import MethodHost
+from mcit.run.plan import Plan
+from mcit.run.results import rows, write_metrics
+from mcit.run.subspace_stage import stream_statistics
 
 STAGES = ("train", "subspace", "eval", "commit")
 
@@ -90,11 +90,10 @@ class Pipeline:
         return RunDir.CURRENT_STATE
 
     def _stream(self, split: Split, collate: Any, task: int) -> None:
-        """The subspace protocol over this rank's part of ``split`` (mcit.subspace), then its log line."""
+        """The subspace protocol over this rank's part of ``split`` (mcit.run.subspace_stage), then its log line."""
         cfg = self.cfg
         batches = eval_batches(split, rank=dist.rank(), world=dist.world_size(), batch_size=cfg.eval.batch_size,
-                               policy=cfg.data.split, collate=collate, num_workers=cfg.data.num_workers,
-                               pin_memory=dist.device().type == "cuda", worker_timeout_s=cfg.data.worker_timeout_s)
+                               policy=cfg.data.split, collate=collate, loader=self.plan.loader)
         report = stream_statistics(self.host.method, batches, task)
         if report is not None and dist.is_main():
             self.logger.log({"event": "subspace", "task": task, **report, "time": time.time()})
@@ -120,7 +119,7 @@ class Pipeline:
         if overrides:  # this phase's own epochs / lr / optimizer (validated like the config)
             train = type(cfg.train).model_validate({**cfg.train.model_dump(), **overrides})
             cfg = cfg.model_copy(update={"train": train})
-        trainer = TaskTrainer(cfg, self.logger, self.run_dir.preempt_request)
+        trainer = TaskTrainer(cfg, self.logger, self.run_dir.preempt_request, self.plan.loader)
         collate = self.host.collate(t, train=True)
         self.host.train(t, phase, lambda method: trainer.train(method, t, self.plan.train[t], collate,
                                                                 self.run_dir.step_dir(t, phase)))
@@ -202,52 +201,3 @@ class Pipeline:
         if self.logger:
             self.logger.close()
         return read_json(rd.metrics)
-
-
-# --------------------------------------------------------------------------------------------------
-# Results
-
-def rows(plan: Plan, done: int) -> tuple[list[list[float]], list[float] | None, list[int]]:
-    """The first ``done`` accuracy-matrix rows, the zero-shot row (or None) and the test counts."""
-    rd = plan.run
-    acc = [read_json(rd.row(t))["acc"] for t in range(done)]
-    zs = read_json(rd.row(None))["acc"] if rd.row(None).is_file() else None
-    return acc, zs, [s.num_samples for s in plan.test]
-
-
-def write_metrics(plan: Plan, done: int) -> dict[str, Any]:
-    """metrics.json from the first ``done`` rows; once every task is done also the heatmap and report.md."""
-    cfg, rd = plan.cfg, plan.run
-    acc, zs, counts = rows(plan, done)
-    T = plan.num_stages
-    if cfg.data.schedule == "joint":  # one row after training on every task at once
-        m = M.compute_joint(acc[0], counts)
-    else:
-        m = M.compute([row[:done] for row in acc], counts[:done], zs[:done] if zs else None)
-    first_loss = [read_json(rd.row(t)).get("first_task_loss") for t in range(done)]
-    record = plan.backbone.record
-    out = {"name": cfg.name, "method": cfg.method.name, "backbone": cfg.backbone.tag,
-           "tasks": plan.names, "schedule": cfg.data.schedule, "rows": plan.stage_names[:done],
-           "evaluated_on": "validation" if cfg.data.validation else "test", "scorers": plan.scorers,
-           "test_counts": counts, "acc_unit": "percent",
-           "complete": done == T, "tasks_done": done, "acc_matrix": acc, "zero_shot": zs,
-           "first_task_loss": first_loss, "seed": cfg.seed, "meta": cfg.meta,
-           "backbone_sha256": record.get("sha256"), "backbone_format": record.get("format"), **m}
-    if plan.auxiliary:  # a method's other frozen models (STAR-Prompt's CLIP), like the backbone
-        out["auxiliary_backbones"] = {name: {k: aux.record.get(k) for k in ("tag", "format", "sha256")}
-                                      for name, aux in plan.auxiliary.items()}
-    write_json(rd.metrics, out)
-    if done == T:
-        M.heatmap(rd.heatmap, plan.names, acc, f"{cfg.name} ({cfg.method.name})", rows=plan.stage_names)
-        atomic_write_text(rd.report, M.report_markdown(cfg.name, cfg.method.name, cfg.backbone.tag, plan.names, counts, acc,
-                                               zs, m, out["backbone_sha256"], heatmap_file=rd.heatmap.name,
-                                               rows=plan.stage_names))
-    return out
-
-
-def summary_text(metrics: dict[str, Any], run_dir: Any) -> str:
-    lines = [f"== {metrics['name']} · method {metrics['method']} · {run_dir} ==",
-             "accuracy matrix (%), rows: after training task t; columns: task i",
-             M.format_matrix(metrics["tasks"], metrics["acc_matrix"], metrics.get("zero_shot"), metrics.get("rows")),
-             M.format_summary(metrics)]
-    return "\n".join(lines)

@@ -4,7 +4,7 @@ The frozen backbone never enters DeepSpeed (it is not a submodule of the method)
 checkpoints and all-reduces only prompts, keys and heads. Step checkpoints every
 ``train.checkpoint_every`` optimizer steps make a killed task resume at its last step: the data order
 is a pure function of (seed, task, epoch, rank), so the resumed epoch skips exactly what was consumed.
-The engine calls no method hook: ``mcit.lifecycle`` does, around ``TaskTrainer.train``.
+The engine calls no method hook: ``mcit.run.lifecycle`` does, around ``TaskTrainer.train``.
 """
 
 from __future__ import annotations
@@ -21,69 +21,16 @@ from typing import Any, Callable
 
 import torch
 
-from mcit import distributed as dist
-from mcit import preemption
-from mcit.checkpoint import WriteError, atomic_write_text
-from mcit.config import RunConfig
-from mcit.data.loader import Epoch, global_valid, micro_steps_per_epoch, rank_counts, train_epochs
+from mcit.core import distributed as dist
+from mcit.core import preemption
+from mcit.core.checkpoint import WriteError, atomic_write_text
+from mcit.core.config import RunConfig
+from mcit.run.ds_config import build_ds_config
+from mcit.data.loader import Epoch, LoaderOptions, global_valid, micro_steps_per_epoch, rank_counts, train_epochs
 from mcit.data.shards import Split
 from mcit.methods.base import Method
 
 COMMITTED = "committed.json"
-
-
-def resolve_ds_config_path(path: str) -> Path:
-    """A DeepSpeed JSON path as given, else relative to the repository root."""
-    p = Path(path)
-    if p.is_file() or p.is_absolute():
-        return p
-    return Path(__file__).resolve().parent.parent / path
-
-
-def build_ds_config(cfg: RunConfig, world: int) -> dict[str, Any]:
-    """The JSON file of ``train.deepspeed_config`` with the run's batch, precision and clipping filled in."""
-    path = resolve_ds_config_path(cfg.train.deepspeed_config)
-    ds = json.loads(path.read_text())
-    t = cfg.train
-    _refuse_owned_keys(ds, path, cfg, world)
-    ds["train_micro_batch_size_per_gpu"] = t.batch_size
-    ds["gradient_accumulation_steps"] = t.grad_accum
-    ds["train_batch_size"] = t.batch_size * t.grad_accum * world
-    ds["gradient_clipping"] = t.grad_clip
-    ds["steps_per_print"] = 1 << 30
-    ds["bf16"] = {"enabled": t.precision == "bf16"}
-    if t.precision == "bf16":
-        # Projected updates and small prompts want fp32 gradient accumulation (PLATFORM.md).
-        ds.setdefault("data_types", {})["grad_accum_dtype"] = "fp32"
-    if "optimizer" in ds:  # DeepSpeed builds it (e.g. DeepSpeedCPUAdam for offload); fill "auto"s
-        params = ds["optimizer"].setdefault("params", {})
-        for k, v in {"lr": t.lr, "weight_decay": t.weight_decay}.items():
-            if params.get(k, "auto") == "auto":
-                params[k] = v
-    return ds
-
-
-def _refuse_owned_keys(ds: dict[str, Any], path: Path, cfg: RunConfig, world: int) -> None:
-    """Batch sizes and clipping come from the run's config. A JSON value that disagrees used to be replaced
-    silently (a user's train_batch_size 7 trained with 16); now it stops the run. "auto" (or the same value)
-    is fine. train_batch_size counts every rank: before the process group exists (``world`` 1, pre-flight)
-    any multiple of batch_size x grad_accum is accepted, then the launched world must match it."""
-    t = cfg.train
-    per_rank = t.batch_size * t.grad_accum
-    owned = {"train_micro_batch_size_per_gpu": ("train.batch_size", t.batch_size),
-             "gradient_accumulation_steps": ("train.grad_accum", t.grad_accum),
-             "gradient_clipping": ("train.grad_clip", t.grad_clip)}
-    for key, (source, want) in owned.items():
-        got = ds.get(key, "auto")
-        if got != "auto" and got != want:
-            raise ValueError(f"{path} sets {key} {got!r} but the run's {source} is {want!r}: batch sizes and "
-                             f"clipping come from the config (remove the key or set it to \"auto\")")
-    got = ds.get("train_batch_size", "auto")
-    ok = got == "auto" or (isinstance(got, int) and got % per_rank == 0 and got >= per_rank
-                           and (world == 1 or got == per_rank * world))
-    if not ok:
-        raise ValueError(f"{path} sets train_batch_size {got!r} but the run's train.batch_size x train.grad_accum "
-                         f"x ranks is {per_rank} x {world}: remove the key or set it to \"auto\"")
 
 
 def make_optimizer(cfg: RunConfig, params: list) -> torch.optim.Optimizer:
@@ -337,12 +284,14 @@ def finite_loss_guard(loss: torch.Tensor, task: int, step: int) -> torch.Tensor:
 
 
 class TaskTrainer:
-    """Trains one task: the pipeline's train stage (the method's hooks are called around it by mcit.lifecycle)."""
+    """Trains one task: the pipeline's train stage (the method's hooks are called around it by mcit.run.lifecycle)."""
 
-    def __init__(self, cfg: RunConfig, logger: JsonlLogger | None = None, preempt_request: Path | None = None) -> None:
+    def __init__(self, cfg: RunConfig, logger: JsonlLogger | None = None, preempt_request: Path | None = None,
+                 loader: LoaderOptions = LoaderOptions()) -> None:
         self.cfg = cfg
+        self.loader = loader  # the run's (Plan.loader)
         self.logger = logger or JsonlLogger(None)
-        self.preempt_request = preempt_request  # a file whose appearance asks to stop (mcit.preemption)
+        self.preempt_request = preempt_request  # a file whose appearance asks to stop (mcit.core.preemption)
 
     def train(
         self,
@@ -391,8 +340,7 @@ class TaskTrainer:
         epochs = [Epoch(micro0 if epoch == epoch0 else 0, data_seed(cfg.seed, task, epoch, rank),
                         data_seed(cfg.seed + 13, task, epoch, 0)) for epoch in range(epoch0, t.epochs)]
         stream = train_epochs(split, epochs, rank=rank, world=world, batch_size=B, num_steps=steps_epoch, policy=policy,
-                              shuffle_buffer=cfg.data.shuffle_buffer, collate=collate, num_workers=cfg.data.num_workers,
-                              pin_memory=device.type == "cuda", worker_timeout_s=cfg.data.worker_timeout_s)
+                              shuffle_buffer=cfg.data.shuffle_buffer, collate=collate, loader=self.loader)
         with contextlib.closing(stream) as batches:  # the loader workers stop here, whatever ends the loop
             for epoch, e in zip(range(epoch0, t.epochs), epochs):
                 # the range first: zip stops at the epoch's end without taking the next epoch's first batch

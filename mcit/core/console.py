@@ -17,7 +17,7 @@ import warnings
 from pathlib import Path
 from typing import Iterator
 
-_OWN = (str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent / "pipelines"))
+_OWN = (str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[2] / "pipelines"))
 _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _state: dict[str, object] = {}
 

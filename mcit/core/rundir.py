@@ -224,13 +224,11 @@ class RunDir:
                               f"refusing to write into it")
 
     def _same_config(self, cfg: Any) -> bool:
-        import yaml
-
-        from mcit.config import ConfigError, dump_config, validate_config
+        from mcit.core.config import ConfigError, dump_config, read_yaml_mapping, validate_config
 
         try:
-            old = validate_config(yaml.safe_load(self.config.read_text()) or {}, str(self.config))
-        except (ConfigError, yaml.YAMLError):
+            old = validate_config(read_yaml_mapping(self.config, "run config"), str(self.config))
+        except ConfigError:
             return False
         old = old.with_absolute_paths(Path.cwd())  # a run directory written before paths were stored absolute
         return dump_config(old) == dump_config(cfg)

@@ -9,67 +9,19 @@ DataError, BackboneError, RunDirError).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mcit.config import ConfigError, RunConfig
-from mcit.data.shards import Split, carve, open_split, union
-from mcit.locations import absolute
+from mcit.core.config import ConfigError, RunConfig
+from mcit.core.locations import absolute
+from mcit.core.registry import METHODS
+from mcit.core.rundir import RunDir, RunDirError
+from mcit.data.loader import LoaderOptions
+from mcit.data.shards import carve, open_split, union
 from mcit.data.types import TaskSequence
 from mcit.models.base import BackboneError, backbone_class
-from mcit.registry import METHODS
-from mcit.rundir import RunDir, RunDirError
-
-
-@dataclass
-class ResolvedBackbone:
-    """A frozen model as the run will load it."""
-
-    kind: str
-    directory: str  # what ``from_path`` loads: a converted zoo checkpoint, the HF directory, or a hub id
-    record: dict[str, Any]  # tag, format, source, sha256, loaded_from (mcit.models.zoo.resolve)
-    options: dict[str, Any] = field(default_factory=dict)  # the backbone class's load_options
-
-
-@dataclass
-class Plan:
-    """Everything checked before any process group or model exists."""
-
-    cfg: RunConfig
-    run: RunDir
-    names: list[str]
-    train: list[Split]
-    test: list[Split]
-    sequence: TaskSequence
-    backbone: ResolvedBackbone
-    auxiliary: dict[str, ResolvedBackbone] = field(default_factory=dict)  # the method's, by name
-    scorers: list[str] | None = None  # instruction tasks: the scorer of each task
-    reference: Split | None = None  # data.reference, when the method needs it
-    stage_names: list[str] = field(default_factory=list)  # the training tasks: ``names``, or ["joint"]
-    # image encoders: the backbone's own pipeline (mcit.data.transforms.BackbonePreprocessing) and the run's
-    # (mean, std), which the presets decide; None for backbones that preprocess by themselves
-    preprocessing: Any = None
-    normalization: Any = None
-
-    def __post_init__(self) -> None:
-        self.stage_names = self.stage_names or list(self.names)
-
-    @property
-    def num_stages(self) -> int:
-        """Training tasks (accuracy-matrix rows): one per task, or one for ``data.schedule: joint``."""
-        return len(self.train)
-
-    @property
-    def run_dir(self) -> Path:
-        return self.run.root
-
-    def backbone_records(self) -> dict[str, Any]:
-        """What backbone.json holds: the backbone's record, plus ``auxiliary`` records by name."""
-        out = dict(self.backbone.record)
-        if self.auxiliary:
-            out["auxiliary"] = {name: aux.record for name, aux in self.auxiliary.items()}
-        return out
+from mcit.run.ds_config import check_deepspeed_config
+from mcit.run.plan import Plan, ResolvedBackbone
 
 
 def resolve_backbone(kind: str, tag: str, path: str, cache_dir: str, tokenizer: str | None = None,
@@ -114,25 +66,6 @@ def backbone_depth(backbone: ResolvedBackbone) -> int | None:
     return int(n) if isinstance(n, int) else None
 
 
-def check_ds_config(ds: dict, path: Path) -> None:
-    """The DeepSpeed JSON (with the run's batch sizes filled in for one process) through DeepSpeed's own
-    config model, so an invalid value stops here, not in deepspeed.initialize on every rank."""
-    from pydantic import ValidationError
-
-    from deepspeed.runtime.config import DeepSpeedConfig
-
-    try:
-        DeepSpeedConfig(ds)
-    except ValidationError as err:
-        e = err.errors()[0]
-        loc = ".".join(str(x) for x in e["loc"])
-        raise ConfigError(f"train.deepspeed_config: {path}: {err.title} {loc}: {e['msg']} "
-                          f"(got {e.get('input')!r})") from None
-    except Exception as e:  # noqa: BLE001 - DeepSpeed's own asserts and ValueErrors
-        raise ConfigError(f"train.deepspeed_config: {path}: DeepSpeed rejects it: "
-                          f"{(str(e).splitlines() or [e.__class__.__name__])[0]}") from None
-
-
 def preflight(cfg: RunConfig, base: Path | None = None, *, run_dir: Path | None = None) -> Plan:
     """Validate every input the run will read: DeepSpeed JSON, backbones, every shard, the run directory.
 
@@ -141,7 +74,6 @@ def preflight(cfg: RunConfig, base: Path | None = None, *, run_dir: Path | None 
     import inspect
 
     from mcit.data.transforms import BACKBONE, PRESETS
-    from mcit.engine import build_ds_config, resolve_ds_config_path
 
     base = base or Path.cwd()
     for key in ("train_transform", "eval_transform"):
@@ -151,21 +83,7 @@ def preflight(cfg: RunConfig, base: Path | None = None, *, run_dir: Path | None 
         if name != BACKBONE and "transform" not in inspect.signature(backbone_class(cfg.backbone.kind).make_collate).parameters:
             raise ConfigError(f"data.{key}: backbone kind {cfg.backbone.kind} takes no augmentation preset (it preprocesses "
                               f"images itself): leave it at {BACKBONE}")
-    ds_path = resolve_ds_config_path(cfg.train.deepspeed_config)
-    if not ds_path.is_file():
-        raise ConfigError(f"train.deepspeed_config: file not found: {cfg.train.deepspeed_config}")
-    import torch.distributed as tdist
-
-    # DeepSpeedConfig checks the batch sizes against the live group's size where one exists (a worker that
-    # calls pre-flight after init), else against one process.
-    world = tdist.get_world_size() if tdist.is_available() and tdist.is_initialized() else 1
-    try:
-        ds = build_ds_config(cfg, world)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"train.deepspeed_config: {ds_path} is not valid JSON ({e})") from None
-    except ValueError as e:  # a batch size or clipping value that disagrees with the config
-        raise ConfigError(f"train.deepspeed_config: {e}") from None
-    check_ds_config(ds, ds_path)
+    check_deepspeed_config(cfg)
     bb = cfg.backbone
     generative = bb.task_type == "generation"
     options = {k: getattr(bb, k) for k in backbone_class(bb.kind).load_options}
@@ -181,8 +99,8 @@ def preflight(cfg: RunConfig, base: Path | None = None, *, run_dir: Path | None 
                               f"{bb.kind} needs {'instruction' if generative else 'classification'} data")
     scorers = None
     if generative:
-        from mcit import caption_metrics as C
-        from mcit import scorers as S
+        from mcit.core import caption_metrics as C
+        from mcit.core import scorers as S
 
         scorers = [s.scorer or te.manifest.get("scorer") or "exact_match" for s, te in zip(specs, test)]
         for s, name in zip(specs, scorers):
@@ -220,6 +138,7 @@ def preflight(cfg: RunConfig, base: Path | None = None, *, run_dir: Path | None 
         run.check_belongs_to(cfg)
     plan = Plan(cfg, run, names, train, test, sequence, backbone, auxiliary, scorers, reference, stage_names)
     plan.preprocessing, plan.normalization = image_pipeline(cfg, backbone)
+    plan.loader = LoaderOptions.from_config(cfg.data)
     check_same_backbones(plan)
     return plan
 

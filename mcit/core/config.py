@@ -53,7 +53,7 @@ class BackboneConfig(_Strict):
     @field_validator("kind")
     @classmethod
     def _registered(cls, v: str) -> str:
-        from mcit.registry import BACKBONES
+        from mcit.core.registry import BACKBONES
 
         try:
             BACKBONES.get(v)
@@ -64,7 +64,7 @@ class BackboneConfig(_Strict):
     @property
     def task_type(self) -> str:
         """``classification`` (image classifiers: CIL) or ``generation`` (multimodal LLMs: MCIT)."""
-        from mcit.registry import BACKBONES
+        from mcit.core.registry import BACKBONES
 
         return BACKBONES.get(self.kind).task_type
 
@@ -133,7 +133,7 @@ class DataConfig(_Strict):
         """Task specs with local paths made absolute (relative paths are relative to ``base``); URLs and
         ``pipe:`` locations as given (a bare task name under a remote root is joined to it, unchecked here:
         pre-flight reads its manifest)."""
-        from mcit.locations import absolute, is_remote, join
+        from mcit.core.locations import absolute, is_remote, join
 
         out: list[TaskSpec] = []
         for item in self.tasks:
@@ -214,7 +214,7 @@ class MethodConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_params(self) -> "MethodConfig":
-        from mcit.registry import METHODS
+        from mcit.core.registry import METHODS
 
         try:
             cls = METHODS.get(self.name)
@@ -230,7 +230,7 @@ class MethodConfig(BaseModel):
         return self
 
     def params(self) -> BaseModel:
-        from mcit.registry import METHODS
+        from mcit.core.registry import METHODS
 
         return METHODS.get(self.name).Params.model_validate(self.model_extra or {})
 
@@ -261,7 +261,7 @@ class RunConfig(_Strict):
         method.clip_path). run_dir is left as given: it names where this launch writes."""
         c = self.model_copy(deep=True)
 
-        from mcit.locations import is_remote
+        from mcit.core.locations import is_remote
 
         def absolute(p: str | None, only_existing: bool = False) -> str | None:
             if p is None or is_remote(p) or Path(p).is_absolute() or (only_existing and not (base / p).exists()):
@@ -278,7 +278,7 @@ class RunConfig(_Strict):
         c.backbone.cache_dir = absolute(c.backbone.cache_dir)
         c.train.deepspeed_config = absolute(c.train.deepspeed_config, only_existing=True)
         # a method's own input paths (STAR-Prompt's CLIP): its Params fields marked json_schema_extra input_path
-        from mcit.registry import METHODS
+        from mcit.core.registry import METHODS
 
         extra = c.method.model_extra or {}
         for key, f in METHODS.get(c.method.name).Params.model_fields.items():
@@ -363,18 +363,27 @@ def _format_error(source: str, err: ValidationError) -> str:
     return f"config error in {source}: {loc or '<root>'}: {msg}{more}"
 
 
+def read_yaml_mapping(path: str | Path, what: str = "config") -> dict[str, Any]:
+    """The one YAML reader for the project's files (run configs, sweep specs, a run directory's config): the
+    file exists, parses without duplicate keys, and its top level is a mapping (an empty file is ``{}``);
+    otherwise one ConfigError that names ``what`` and the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{what} file not found: {path}")
+    try:
+        data = load_yaml(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{what} error in {path}: not valid YAML ({yaml_problem(e)})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what} error in {path}: the top level must be a mapping")
+    return data
+
+
 def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
     """Read, override and validate a config. Raises ConfigError with a one-line message."""
     path = Path(path)
     source = str(path)
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {source}")
-    try:
-        data = load_yaml(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"config error in {source}: not valid YAML ({yaml_problem(e)})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"config error in {source}: the top level must be a mapping")
+    data = read_yaml_mapping(path, "config")
     data.setdefault("name", path.stem)
     data = apply_overrides(data, overrides or [])
     return validate_config(data, source).with_absolute_paths(Path.cwd())

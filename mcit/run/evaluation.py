@@ -10,20 +10,31 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
-from mcit import distributed as dist
-from mcit.data.loader import eval_batches, eval_parts
+from mcit.core import distributed as dist
+from mcit.core.config import RunConfig
+from mcit.data.loader import LoaderOptions, eval_batches, eval_parts
 from mcit.data.shards import Split
 from mcit.methods.base import Method
-
-if TYPE_CHECKING:
-    from mcit.lifecycle import MethodHost
+from mcit.run.plan import Plan
 
 
-def evaluate_row(host: "MethodHost", *, trained: int, answers_dir: Path, tasks: list[int] | None = None,
+class Host(Protocol):
+    """What evaluation needs of the method host (``mcit.run.lifecycle.MethodHost``): the plan, the method in
+    its current state, and each task's collate. A protocol, so evaluation sits beside the host, not above it."""
+
+    plan: Plan
+    cfg: RunConfig
+    method: Method
+
+    def collate(self, task: int, *, train: bool, split: Split | None = None,
+                augment: bool | None = None) -> Callable: ...
+
+
+def evaluate_row(host: Host, *, trained: int, answers_dir: Path, tasks: list[int] | None = None,
                  desc: str = "eval") -> dict[str, Any]:
     """The method's accuracy on ``tasks`` (default every task) after ``trained`` tasks (0 = zero-shot:
     every class allowed); instruction tasks write their answers under ``answers_dir``."""
@@ -34,7 +45,8 @@ def evaluate_row(host: "MethodHost", *, trained: int, answers_dir: Path, tasks: 
     if plan.scorers is not None:
         scorers = [plan.scorers[i] for i in tasks]
         res = evaluate_generation(method, tests, batch_size=cfg.eval.batch_size, policy=cfg.data.split,
-                                  collates=collates, num_workers=cfg.data.num_workers, worker_timeout_s=cfg.data.worker_timeout_s, scorers=scorers, max_new_tokens=cfg.eval.max_new_tokens,
+                                  collates=collates, loader=plan.loader, scorers=scorers,
+                                  max_new_tokens=cfg.eval.max_new_tokens,
                                   answers_dir=answers_dir, progress=cfg.train.progress, desc=desc, file_ids=tasks,
                                   model_id=cfg.backbone.tag if cfg.backbone.tag != "local"
                                   else Path(cfg.backbone.path).name)
@@ -46,12 +58,12 @@ def evaluate_row(host: "MethodHost", *, trained: int, answers_dir: Path, tasks: 
         for task in plan.sequence.tasks[:trained]:
             allowed[list(task.classes)] = True
     res = evaluate_tasks(method, tests, batch_size=cfg.eval.batch_size, policy=cfg.data.split, collates=collates,
-                         num_workers=cfg.data.num_workers, worker_timeout_s=cfg.data.worker_timeout_s, allowed_classes=allowed, progress=cfg.train.progress, desc=desc)
+                         loader=plan.loader, allowed_classes=allowed, progress=cfg.train.progress, desc=desc)
     return {"correct": [c for c, _ in res], "total": [n for _, n in res],
             "acc": [100.0 * c / max(n, 1) for c, n in res]}
 
 
-def first_task_loss(host: "MethodHost") -> float | None:
+def first_task_loss(host: Host) -> float | None:
     """The method's training loss on the first task's test split under its current state (the
     training-interference curve: how much each later task moves the first task's loss); None when
     ``eval.first_task_loss`` is off."""
@@ -61,12 +73,12 @@ def first_task_loss(host: "MethodHost") -> float | None:
     split = host.plan.test[0]
     return evaluate_loss(host.method, split, task=0, batch_size=cfg.eval.batch_size, policy=cfg.data.split,
                          collate=host.collate(0, train=True, split=split, augment=False),
-                         num_workers=cfg.data.num_workers, worker_timeout_s=cfg.data.worker_timeout_s)
+                         loader=host.plan.loader)
 
 
 @torch.no_grad()
 def evaluate_tasks(method: Method, splits: list[Split], *, batch_size: int, policy: str, collates: list[Callable],
-                   num_workers: int = 0, worker_timeout_s: float = 600.0, allowed_classes: torch.Tensor | None = None,
+                   loader: LoaderOptions = LoaderOptions(), allowed_classes: torch.Tensor | None = None,
                    progress: bool = False, desc: str = "eval") -> list[tuple[int, int]]:
     """(correct, total) per split, summed over ranks. ``allowed_classes``: bool mask over classes."""
     method.eval()
@@ -79,8 +91,7 @@ def evaluate_tasks(method: Method, splits: list[Split], *, batch_size: int, poli
         bar = tqdm(total=sum(s.num_samples for s in splits), desc=desc, unit="sample", leave=False,
                    dynamic_ncols=True, mininterval=0.5 if sys.stderr.isatty() else 10.0)
     for i, batch in eval_parts(splits, collates, rank=dist.rank(), world=dist.world_size(), batch_size=batch_size,
-                               policy=policy, num_workers=num_workers, pin_memory=device.type == "cuda",
-                               worker_timeout_s=worker_timeout_s):
+                               policy=policy, loader=loader):
         batch.allowed_classes = allowed_classes
         batch = batch.to(device, non_blocking=True)
         pred = method.predict(batch)
@@ -108,21 +119,22 @@ def answer_row(ref: dict[str, Any], pred: str, score: float, model_id: str) -> d
 
 @torch.no_grad()
 def evaluate_generation(method: Method, splits: list[Split], *, batch_size: int, policy: str,
-                        collates: list[Callable], scorers: list[str], max_new_tokens: int, num_workers: int = 0, worker_timeout_s: float = 600.0,
+                        collates: list[Callable], scorers: list[str], max_new_tokens: int,
+                        loader: LoaderOptions = LoaderOptions(),
                         answers_dir: Any | None = None, progress: bool = False,
                         desc: str = "eval", file_ids: list[int] | None = None,
                         model_id: str = "mcit") -> list[tuple[float, int]]:
     """(summed score, count) per split. Each rank generates for its part of every split; the answers
     are gathered to rank 0, which writes ``answers_dir/<task index>.jsonl`` (``answer_row``) sorted by key,
-    so scores can be recomputed without the model. A corpus scorer (mcit.caption_metrics: CIDEr, MCITlib's
+    so scores can be recomputed without the model. A corpus scorer (mcit.core.caption_metrics: CIDEr, MCITlib's
     caption average) scores the gathered answers once (rows carry ``score: null``; the task's number and
     every metric go to ``<task index>.metrics.json``); its summed score is the corpus value x count. ``file_ids``: the task index of each split (default
     its position)."""
     import json
 
-    from mcit import caption_metrics as C
-    from mcit import scorers as S
-    from mcit.checkpoint import atomic_write_text
+    from mcit.core import caption_metrics as C
+    from mcit.core import scorers as S
+    from mcit.core.checkpoint import atomic_write_text
 
     method.eval()
     device = dist.device()
@@ -137,8 +149,7 @@ def evaluate_generation(method: Method, splits: list[Split], *, batch_size: int,
     score_fns = [None if corpus else S.get(name) for corpus, name in zip(corpora, scorers)]
     answered: list[list[dict]] = [[] for _ in splits]
     for i, batch in eval_parts(splits, collates, rank=dist.rank(), world=dist.world_size(), batch_size=batch_size,
-                               policy=policy, num_workers=num_workers, pin_memory=device.type == "cuda",
-                               worker_timeout_s=worker_timeout_s):
+                               policy=policy, loader=loader):
         preds = method.generate(batch.to(device, non_blocking=True), max_new_tokens)
         score = score_fns[i]
         for pred, ref in zip(preds, batch.meta):
@@ -168,15 +179,14 @@ def evaluate_generation(method: Method, splits: list[Split], *, batch_size: int,
 
 @torch.no_grad()
 def evaluate_loss(method: Method, split: Split, *, task: int, batch_size: int, policy: str,
-                  collate: Callable, num_workers: int = 0, worker_timeout_s: float = 600.0) -> float:
+                  collate: Callable, loader: LoaderOptions = LoaderOptions()) -> float:
     """Mean per-sample ``method.task_loss`` over ``split`` (its samples labelled as task ``task``),
     averaged over every rank's samples: one all_reduce, every rank gets the same value."""
     method.eval()
     device = dist.device()
     total = torch.zeros(2, dtype=torch.float64)
     for batch in eval_batches(split, rank=dist.rank(), world=dist.world_size(), batch_size=batch_size,
-                              policy=policy, collate=collate, num_workers=num_workers, pin_memory=device.type == "cuda",
-                              worker_timeout_s=worker_timeout_s):
+                              policy=policy, collate=collate, loader=loader):
         batch.task = task
         batch = batch.to(device, non_blocking=True)
         per_sample = method.task_loss(batch).detach().double().cpu()

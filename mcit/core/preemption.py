@@ -58,6 +58,6 @@ def local_request(request_file: Path | None) -> str | None:
 
 def agreed(request_file: Path | None) -> bool:
     """True on every rank iff some rank has a request (one small all-reduce)."""
-    from mcit import distributed as dist
+    from mcit.core import distributed as dist
 
     return not dist.all_ok(local_request(request_file) is None)

@@ -1,0 +1,97 @@
+"""Score a run's checkpoints without training: ``python pipelines/evaluate.py --run RUN_DIR``.
+
+    python pipelines/evaluate.py --run runs/X [--task-checkpoint K [K ...] | all] [--zero-shot]
+                                 [--tasks NAME ...] [--batch-size B] [--write-rows]
+    deepspeed --num_gpus 2 pipelines/evaluate.py --run runs/X ...   (or torchrun / srun: sharded; or mcit-evaluate)
+
+Loads the run's own config (``RUN_DIR/config.yaml``) and the consolidated export of task K
+(``checkpoints/task_K/method.safetensors``, no DeepSpeed state needed, any world size), evaluates the
+chosen tasks sharded across ranks with the run's class-incremental protocol (after task K only the
+classes of tasks 0..K can be predicted) and writes ``eval/evaluate/after_task_K.json`` (and, for
+instruction tasks, the answers under ``eval/evaluate/answers/after_task_K/``). The run's training
+state (state.json, checkpoints, the accuracy-matrix rows) is not touched, except with
+``--write-rows``: then each evaluated row (all tasks) is written as ``eval/after_task_K.json`` and
+metrics.json / report.md are recomputed, which fills in rows a run lost or never wrote.
+Default: the last exported checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from mcit.cli import common
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The entry point; what the libraries print on the way goes to ``logs/evaluate.rank<r>.log``."""
+    return common.quietly(_main, argv)
+
+
+def _main(argv: list[str] | None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="\n".join(__doc__.splitlines()[1:]))
+    ap.add_argument("--run", type=Path, required=True, help="the run directory")
+    ap.add_argument("--task-checkpoint", nargs="+", default=None, metavar="K",
+                    help="the checkpoints after these tasks (indices, or 'all'; default: the last one)")
+    ap.add_argument("--zero-shot", action="store_true", help="evaluate the zero-shot row (no checkpoint)")
+    ap.add_argument("--tasks", nargs="+", default=None, help="task names or indices to evaluate (default all)")
+    ap.add_argument("--batch-size", type=int, default=None, help="eval batch size (results do not depend on it)")
+    ap.add_argument("--write-rows", action="store_true",
+                    help="store the rows as the run's accuracy-matrix rows and recompute metrics.json")
+    ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    from mcit.core.distributed import default_accelerator
+
+    default_accelerator()  # before DeepSpeed is imported
+
+    from mcit.core.config import load_config
+    from mcit.core.rundir import RunDir
+    from mcit.run.preflight import preflight
+
+    if args.batch_size is not None and args.batch_size < 1:
+        return common.fail(f"--batch-size must be at least 1, got {args.batch_size}")
+    run = RunDir(args.run.resolve())
+    if not run.config.is_file():
+        return common.fail(f"{run.root} is not a run directory (no config.yaml)")
+    overrides = [f"eval.batch_size={args.batch_size}"] if args.batch_size is not None else []
+    try:
+        plan = preflight(load_config(run.config, overrides), run_dir=run.root)
+    except Exception as e:  # noqa: BLE001 - every pre-flight failure is one line and exit 2
+        return common.before_launch(e)
+    available = run.exported_tasks()
+    if args.task_checkpoint is None:
+        ks = [] if args.zero_shot else available[-1:]
+    elif args.task_checkpoint == ["all"]:
+        ks = available
+    else:
+        try:
+            ks = [int(k) for k in args.task_checkpoint]
+        except ValueError:
+            return common.fail(f"--task-checkpoint: expected task indices or 'all', got {args.task_checkpoint}")
+    missing = [k for k in ks if k not in available]
+    if missing or (not ks and not args.zero_shot):
+        return common.fail(f"{run.root}: no exported checkpoint after task {missing[0] if missing else '(any)'} "
+                           f"(exported: {available or 'none'})")
+    names = plan.names
+    if args.tasks is None:
+        tasks = list(range(len(names)))
+    else:
+        tasks = []
+        for t in args.tasks:
+            if t.isdigit() and int(t) < len(names):
+                tasks.append(int(t))
+            elif t in names:
+                tasks.append(names.index(t))
+            else:
+                return common.fail(f"--tasks: unknown task {t!r}; the run has {', '.join(names)}")
+    if args.write_rows and tasks != list(range(len(names))):
+        return common.fail("--write-rows needs every task evaluated (leave out --tasks)")
+    from mcit.run.evaluate_only import evaluate_checkpoints
+
+    try:
+        evaluate_checkpoints(plan, ks, tasks, zero_shot=args.zero_shot, write_rows=args.write_rows)
+    except Exception as e:  # noqa: BLE001 - mapped to one line and an exit code (mcit.cli.common)
+        return common.after_launch(e, plan.run_dir)
+    return 0

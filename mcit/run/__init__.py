@@ -1,0 +1,1 @@
+"""The running room: the plan, the DeepSpeed config, pre-flight, the engine, the method host, evaluation, the subspace stage and the staged loop."""

@@ -1,0 +1,69 @@
+"""Evaluation-only passes: rows for a run's exported checkpoints without training (``mcit-evaluate``).
+
+The run's training state (state.json, checkpoints, the accuracy-matrix rows) is not touched, except with
+``write_rows``: then each evaluated row (all tasks) is also written as the run's own row and metrics.json /
+report.md are recomputed, which fills in rows a run lost or never wrote.
+"""
+
+from __future__ import annotations
+
+import os
+
+from mcit.core import console
+from mcit.core import distributed as dist
+from mcit.core.checkpoint import load_state, write_json
+from mcit.core.rundir import row_tag
+from mcit.data.loader import shutdown_workers
+from mcit.run.evaluation import evaluate_row, first_task_loss
+from mcit.run.lifecycle import MethodHost
+from mcit.run.plan import Plan
+from mcit.run.results import write_metrics
+
+
+def evaluate_checkpoints(plan: Plan, ks: list[int], tasks: list[int], *, zero_shot: bool,
+                         write_rows: bool) -> list[tuple[str, list[float]]]:
+    """Rows for the checkpoints after tasks ``ks`` (and the zero-shot row) on ``tasks``, written to
+    ``eval/evaluate/after_task_K.json`` (and the answers beside them); printed as a table on rank 0.
+    Starts and ends the process group; returns (row tag, accuracies) per row."""
+    console.log_to(plan.run.logs / f"evaluate.rank{os.environ.get('RANK', '0')}.log")
+    with console.stdout_to_log("deepspeed"):  # its op builds print to stdout on every rank
+        dist.init()
+    run = plan.run
+    host = MethodHost(plan)
+    host.build()
+    results: list[tuple[str, list[float]]] = []
+    for k in ([None] if zero_shot else []) + ks:
+        if k is None:
+            with host.zero_shot():
+                row = evaluate_row(host, trained=0, tasks=tasks, answers_dir=run.answers(None, evaluate_only=True),
+                                   desc="zero-shot eval")
+        else:
+            host.load(load_state(run.task_state(k)))
+            host.enter_eval(k)
+            row = evaluate_row(host, trained=k + 1, tasks=tasks, answers_dir=run.answers(k, evaluate_only=True),
+                               desc=f"after task {k}")
+            row["first_task_loss"] = first_task_loss(host)
+
+        def write(k: int | None = k, row: dict = row) -> None:
+            write_json(run.row(k, evaluate_only=True), {**row, "tasks": [plan.names[i] for i in tasks],
+                                                         "checkpoint": k, "world_size": dist.world_size()})
+            if write_rows:
+                write_json(run.row(k), row)
+
+        dist.on_main(write)
+        results.append((row_tag(k), row["acc"]))
+    if dist.is_main():
+        from mcit.core import metrics as M
+
+        print(f"== {plan.cfg.name} · {run.root} · evaluated on {dist.world_size()} process(es) ==")
+        width = max(len(plan.names[i]) for i in tasks)
+        print(" " * 14 + " ".join(f"{plan.names[i]:>{max(width, 7)}}" for i in tasks))
+        for tag, acc in results:
+            print(f"{tag:<14}" + " ".join(f"{a:>{max(width, 7)}.2f}" for a in acc))
+        if write_rows:
+            done = run.rows_done(plan.num_stages)
+            if done:
+                print(M.format_summary(write_metrics(plan, done)))
+    shutdown_workers()
+    dist.shutdown()
+    return results

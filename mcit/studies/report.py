@@ -1,0 +1,62 @@
+"""The comparison of finished runs: each run's summary and a side-by-side table of their final metrics
+(the program: ``mcit-report`` / ``python -m mcit.cli.report``).
+
+``--zero-shot-of RUN`` adds a first column for the pre-trained backbone itself: the averages of that run's
+zero-shot row (the same test samples, nothing trained). A run with ``data.schedule: joint`` (the multi-task
+bound) is labelled ``multitask``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from mcit.core import metrics as M
+from mcit.core.rundir import RunDir, RunDirError
+
+KEYS = ["final_avg_acc", "final_avg_acc_task_mean", "avg_incremental_acc", "forgetting", "forgetting_mammoth", "bwt",
+        "fwd"]
+
+
+def load(run_dir: Path) -> dict:
+    p = RunDir(run_dir).metrics
+    if not p.is_file():
+        raise RunDirError(f"{p} not found (has the run finished?)")
+    return json.loads(p.read_text())
+
+
+def compare_table(runs: list[tuple[str, dict]]) -> str:
+    width = max(12, *(len(name) + 2 for name, _ in runs))
+    lines = ["metric".ljust(26) + "".join(name.rjust(width) for name, _ in runs)]
+    for k in KEYS:
+        cells = "".join((f"{m[k]:.2f}" if m.get(k) is not None else "n/a").rjust(width) for _, m in runs)
+        lines.append(k.ljust(26) + cells)
+    return "\n".join(lines)
+
+
+def zero_shot_metrics(m: dict) -> dict:
+    """The zero-shot row of a finished run as a column: its sample-weighted and task-mean averages."""
+    if not m.get("zero_shot"):
+        raise RunDirError(f"run {m['name']!r} has no zero-shot row (eval.zero_shot was off)")
+    return {**M.compute_joint(m["zero_shot"], m["test_counts"]), "name": m["name"], "method": "zero_shot"}
+
+
+def label(m: dict) -> str:
+    return "multitask" if m.get("schedule") == "joint" else m["method"]
+
+
+def comparison(run_dirs: list[Path], zero_shot_of: Path | None = None) -> str:
+    """Each run's accuracy matrix and summary, then (for several runs) one column per run: the method's name,
+    or the run's where runs share a method (Soft-TF's inference rules, VPT-NSP² on ViT and on CLIP)."""
+    runs = [] if zero_shot_of is None else [("zero_shot", zero_shot_metrics(load(zero_shot_of)))]
+    parts = []
+    for d in run_dirs:
+        m = load(d)
+        parts += [f"== {m['name']} ({m['method']}) ==", M.format_matrix(m["tasks"], m["acc_matrix"], m.get("zero_shot"),
+                                                                       m.get("rows")), M.format_summary(m), ""]
+        runs.append((label(m), m))
+    methods = [name for name, _ in runs]
+    runs = [(m["name"] if methods.count(name) > 1 else name, m) for name, m in runs]
+    if len(runs) > 1:
+        parts.append(compare_table(runs))
+    return "\n".join(parts)
