@@ -1,0 +1,102 @@
+"""Every command the README shows names something that exists and starts: modules and scripts answer
+``--help``, console commands are the project's own entry points, make targets are in the Makefile, job
+scripts parse. (What the commands then do is the launch tests' and the demo's business; this catches a README
+left behind by a move, as the rooms refactor would have left ``python -m mcit.report``.)"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import subprocess
+import sys
+import tomllib
+from concurrent.futures import ThreadPoolExecutor
+
+from conftest import ROOT
+
+COMMAND = re.compile(
+    r"python -m ([\w.]+)"  # a module
+    r"|python ([\w/]+\.py)"  # a script
+    r"|(?:deepspeed|torchrun|srun)[^`\n]*? ([\w/]+\.py)"  # a script under a launcher
+    r"|(?<![\w#/-])(mcit-[a-z]+)(?![\w-])"  # a console command
+    r"|make ([a-z][\w-]*)"  # a make target
+    r"|sbatch[^`\n]*? ([\w/]+\.sbatch)")  # a job script
+
+
+def commands(text: str) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {k: set() for k in ("module", "script", "console", "make", "sbatch")}
+    for m in COMMAND.finditer(text):
+        module, script, launched, console, make, sbatch = m.groups()
+        for kind, value in (("module", module), ("script", script or launched), ("console", console),
+                            ("make", make), ("sbatch", sbatch)):
+            if value:
+                out[kind].add(value)
+    return out
+
+
+def _help(argv: list[str]) -> tuple[list[str], int, str]:
+    res = subprocess.run([sys.executable, *argv, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return argv, res.returncode, res.stderr[-500:]
+
+
+def problems(found: dict[str, set[str]]) -> list[str]:
+    """What in ``found`` does not exist or does not start."""
+    bad = []
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    for name in sorted(found["console"]):
+        if name not in scripts:
+            bad.append(f"{name}: not a console command of pyproject.toml")
+            continue
+        mod, _, fn = scripts[name].partition(":")
+        if not callable(getattr(importlib.import_module(mod), fn, None)):
+            bad.append(f"{name}: {scripts[name]} is not a function")
+    targets = set(re.findall(r"^([a-z][\w-]*)\s*:", (ROOT / "Makefile").read_text(), re.M))
+    bad += [f"make {t}: no such target" for t in sorted(found["make"] - targets)]
+    for job in sorted(found["sbatch"]):
+        res = subprocess.run(["bash", "-n", str(ROOT / job)], capture_output=True, text=True)
+        if not (ROOT / job).is_file() or res.returncode:
+            bad.append(f"{job}: missing or not valid bash")
+    runs = []
+    for mod in sorted(found["module"]):
+        if importlib.util.find_spec(mod.split(".")[0]) is None or importlib.util.find_spec(mod) is None:
+            bad.append(f"python -m {mod}: no such module")
+        else:
+            runs.append(["-m", mod])
+    for path in sorted(found["script"]):
+        if not (ROOT / path).is_file():
+            bad.append(f"{path}: no such script")
+        else:
+            runs.append([path])
+    with ThreadPoolExecutor(2) as pool:
+        for argv, rc, err in pool.map(_help, runs):
+            if rc != 0:
+                bad.append(f"python {' '.join(argv)} --help: exit {rc}: {err.strip().splitlines()[-1:]}")
+    return bad
+
+
+def test_every_readme_command_exists_and_starts():
+    found = commands((ROOT / "README.md").read_text())
+    assert {"mcit-run", "mcit-evaluate", "mcit-sweep", "mcit-report"} <= found["console"]
+    assert {"demo", "test"} <= found["make"] and "pipelines/run_task_sequence.py" in found["script"]
+    assert problems(found) == []
+
+
+def test_the_check_catches_a_stale_command():
+    text = ("`python -m mcit.report runs/x` · `mcit-reprot` · `make demo-all` · `python pipelines/evaluate_all.py` · "
+            "`sbatch pipelines/slurm/none.sbatch` · [x](#mcit-what-it-shows)")
+    found = commands(text)
+    assert found["console"] == {"mcit-reprot"}  # an anchor is not a command
+    assert problems(found) == ["mcit-reprot: not a console command of pyproject.toml", "make demo-all: no such target",
+                               "pipelines/slurm/none.sbatch: missing or not valid bash",
+                               "python -m mcit.report: no such module", "pipelines/evaluate_all.py: no such script"]
+
+
+def test_a_program_that_fails_to_start_is_reported(tmp_path, monkeypatch):
+    """A module that exists but dies on ``--help`` (an import error after a move) is a problem too."""
+    broken = tmp_path / "broken_cli.py"
+    broken.write_text("import mcit.no_such_room\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    found = {"module": {"broken_cli"}, "script": set(), "console": set(), "make": set(), "sbatch": set()}
+    bad = problems(found)
+    assert len(bad) == 1 and bad[0].startswith("python -m broken_cli --help: exit 1"), bad
