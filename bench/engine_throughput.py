@@ -43,12 +43,11 @@ def main() -> int:
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
     os.chdir(ROOT)
 
+    from bench.host import build_host, save_random_vit_b16
     from mcit.core import distributed as dist
     from mcit.data.loader import eval_batches
     from mcit.data.types import Batch
     from mcit.run.engine import finite_loss_guard, setup_engine, train_step
-
-    from bench.host import build_host, save_random_vit_b16
 
     overrides = [f"train.batch_size={args.batch}", f"train.deepspeed_config={args.ds_config}", "train.grad_accum=1"]
     tmp = None

@@ -52,11 +52,10 @@ def main() -> int:
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
     os.chdir(ROOT)
 
+    from bench.host import build_host
     from mcit.core import distributed as dist
     from mcit.data.loader import eval_batches
     from mcit.run.evaluation import evaluate_row
-
-    from bench.host import build_host
 
     plan, host, run_dir = build_host(args.config, args.overrides)
     cfg, device = plan.cfg, dist.device()

@@ -41,9 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--save-dir", default="/tmp/mcit_llava7b_random", help="where --quantization keeps the bf16 copy")
     args = ap.parse_args(argv)
 
+    from mcit.core.registry import METHODS
     from mcit.data.types import TaskSequence
     from mcit.models.mllm import build_empty, llava_config
-    from mcit.core.registry import METHODS
 
     seq = TaskSequence.from_label_spaces(["t"], [[]])
     cls = METHODS.get(args.method)
@@ -62,9 +62,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from mcit.core import distributed as dist
     from mcit.core.config import validate_config
-    from mcit.run.engine import setup_engine, train_step
     from mcit.data.types import Batch
     from mcit.models.mllm import MLLMBackbone, quantization_config
+    from mcit.run.engine import setup_engine, train_step
 
     dist.init()
     cfg = llava_config("llava-1.5-7b")

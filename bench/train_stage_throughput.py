@@ -56,11 +56,10 @@ def main() -> int:
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
     os.chdir(ROOT)
 
+    from bench.host import build_host, save_random_vit_b16
     from mcit.core import distributed as dist
     from mcit.data.loader import Epoch, micro_steps_per_epoch, train_epochs
     from mcit.run.engine import TaskTrainer, data_seed, on_optimizer_step
-
-    from bench.host import build_host, save_random_vit_b16
 
     overrides = [f"train.epochs={args.epochs}", "train.grad_accum=1", "train.progress=false",
                  f"train.checkpoint_every={args.checkpoint_every or 10**9}", *args.overrides]

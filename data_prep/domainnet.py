@@ -15,8 +15,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from data_prep.common import (RecordError, build_cil, check_unique, cil_arguments, cil_summary, encode_image_file,
-                              run_cli)
+from data_prep.common import (
+    RecordError,
+    build_cil,
+    check_unique,
+    cil_arguments,
+    cil_summary,
+    encode_image_file,
+    run_cli,
+)
 from mcit.data.shards import DataError
 
 

@@ -32,12 +32,12 @@ def pretrain(shards: Path, out: Path, *, epochs: int = 6, batch_size: int = 32, 
     import torch
 
     from mcit.core.checkpoint import publish_dir, staging_dir
+    from mcit.core.scorers import exact_match
     from mcit.data import tiny_mcit as B
     from mcit.data.loader import eval_batches
     from mcit.data.shards import iter_samples, open_split
     from mcit.models.mllm import MLLMBackbone
     from mcit.models.tiny_llava import build_model, build_processor, train_tokenizer
-    from mcit.core.scorers import exact_match
 
     settings = dict(epochs=epochs, batch_size=batch_size, lr=lr, text_hidden=text_hidden, text_layers=text_layers,
                     vision_hidden=vision_hidden, vision_layers=vision_layers, patch_size=patch_size,

@@ -156,7 +156,7 @@ def http_served(directory: Path) -> Iterator[str]:
     import threading
 
     class Quiet(http.server.SimpleHTTPRequestHandler):
-        def log_message(self, *args) -> None:  # noqa: D401 - the test output stays readable
+        def log_message(self, *args) -> None:  # the test output stays readable
             pass
 
         def _moved(self) -> bool:
@@ -168,11 +168,11 @@ def http_served(directory: Path) -> Iterator[str]:
             self.end_headers()
             return True
 
-        def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        def do_GET(self) -> None:  # http.server's naming
             if not self._moved():
                 super().do_GET()
 
-        def do_HEAD(self) -> None:  # noqa: N802
+        def do_HEAD(self) -> None:
             if not self._moved():
                 super().do_HEAD()
 

@@ -49,9 +49,8 @@ def _main(argv: list[str] | None) -> int:
     except Exception as e:  # noqa: BLE001 - every pre-flight failure is one line and exit 2
         return common.before_launch(e)
 
-    from mcit.core import console
+    from mcit.core import console, preemption
     from mcit.core import distributed as dist
-    from mcit.core import preemption
     from mcit.data.loader import shutdown_workers
     from mcit.run.pipeline import Pipeline
 

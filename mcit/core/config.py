@@ -309,7 +309,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 def load_yaml(text: str) -> Any:
     """``yaml.safe_load`` that rejects duplicate keys (yaml.YAMLError naming the key and both lines)."""
-    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader subclass
 
 
 def yaml_problem(e: yaml.YAMLError) -> str:

@@ -22,7 +22,7 @@ _FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _state: dict[str, object] = {}
 
 
-def _show(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ANN001 - warnings' signature
+def _show(message, category, filename, lineno, file=None, line=None) -> None:  # warnings' signature
     if str(Path(filename).resolve()).startswith(_OWN):
         _state["showwarning"](message, category, filename, lineno, file, line)  # type: ignore[operator]
         return

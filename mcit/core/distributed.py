@@ -243,7 +243,7 @@ def exit_process(code: int | None) -> None:
                 pass
 
     flush()
-    atexit._run_exitfuncs()  # noqa: SLF001 - the documented-by-use way to run them before os._exit
+    atexit._run_exitfuncs()  # the documented-by-use way to run them before os._exit
     flush()
     os._exit(int(code or 0))
 

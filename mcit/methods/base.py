@@ -21,7 +21,6 @@ from torch import nn
 
 from mcit.data.types import Batch, TaskSequence
 
-
 _LAYERS = "mcit:block-indices"
 
 

@@ -14,10 +14,10 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
+from mcit.core.registry import METHODS
 from mcit.data.types import Batch, TaskSequence
 from mcit.methods.base import LossTerms, Method, MethodParams
 from mcit.methods.prompting import mask_to_classes
-from mcit.core.registry import METHODS
 
 
 class CLIPZeroShotParams(MethodParams):

@@ -23,11 +23,11 @@ import torch.nn.functional as F
 from pydantic import Field, model_validator
 from torch import nn
 
+from mcit.core.registry import METHODS
 from mcit.data.types import Batch, TaskSequence
-from mcit.methods.base import LossTerms, Method, LayerList, MethodParams
+from mcit.methods.base import LayerList, LossTerms, Method, MethodParams
 from mcit.methods.prompting import mask_to_classes, per_head
 from mcit.models.base import LayerPrompt
-from mcit.core.registry import METHODS
 
 
 class CodaPromptParams(MethodParams):

@@ -25,10 +25,10 @@ import torch.nn.functional as F
 from pydantic import Field, model_validator
 from torch import nn
 
-from mcit.data.types import Batch, TaskSequence
-from mcit.methods.base import LossTerms, Method, LayerList, MethodParams
-from mcit.methods.prompting import cosine, gather_prefix, majority_vote, mask_to_classes, prefix_prompt, uniform_
 from mcit.core.registry import METHODS
+from mcit.data.types import Batch, TaskSequence
+from mcit.methods.base import LayerList, LossTerms, Method, MethodParams
+from mcit.methods.prompting import cosine, gather_prefix, majority_vote, mask_to_classes, prefix_prompt, uniform_
 
 
 class DualPromptParams(MethodParams):

@@ -53,11 +53,11 @@ import torch.nn.functional as F
 from pydantic import Field, model_validator
 from torch import nn
 
+from mcit.core.registry import METHODS
+from mcit.core.subspace import energy_basis, project_out, token_covariance
 from mcit.data.types import Batch, TaskSequence
 from mcit.methods.base import LossTerms, MethodParams
 from mcit.methods.instruction import InstructionMethod, init_from_vocab
-from mcit.core.registry import METHODS
-from mcit.core.subspace import energy_basis, project_out, token_covariance
 
 
 class FwdPromptParams(MethodParams):

@@ -48,11 +48,11 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
-from mcit.methods.class_gaussians import class_moments, gaussian_factors, moments_to_gaussians, sample_classes
-from mcit.data.types import Batch, TaskSequence
-from mcit.methods.base import LossTerms, Method, LayerList, MethodParams
-from mcit.methods.prompting import gather_prefix, mask_to_classes, prefix_prompt, uniform_
 from mcit.core.registry import METHODS
+from mcit.data.types import Batch, TaskSequence
+from mcit.methods.base import LayerList, LossTerms, Method, MethodParams
+from mcit.methods.class_gaussians import class_moments, gaussian_factors, moments_to_gaussians, sample_classes
+from mcit.methods.prompting import gather_prefix, mask_to_classes, prefix_prompt, uniform_
 
 
 class HiDePromptParams(MethodParams):

@@ -25,10 +25,10 @@ import torch.nn.functional as F
 from pydantic import Field, model_validator
 from torch import nn
 
+from mcit.core.registry import METHODS
 from mcit.data.types import Batch, TaskSequence
 from mcit.methods.base import LossTerms, Method, MethodParams
 from mcit.methods.prompting import insert_prompts, majority_vote, mask_to_classes, pool, uniform_
-from mcit.core.registry import METHODS
 
 
 class L2PParams(MethodParams):

@@ -21,10 +21,10 @@ import torch
 from pydantic import Field
 from torch import nn
 
+from mcit.core.registry import METHODS
 from mcit.data.types import TaskSequence
 from mcit.methods.base import MethodParams
 from mcit.methods.instruction import InstructionMethod
-from mcit.core.registry import METHODS
 
 # A list of module names (peft's rule: a module matches when its name is the target or ends in ".target"),
 # or "all-linear": every nn.Linear of the LLM but the output head (CoIN's find_all_linear_names).

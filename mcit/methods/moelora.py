@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from pydantic import Field, model_validator
 from torch import nn
 
-from mcit.methods.lora import LoRAFamily, LoRAFamilyParams, Targets
 from mcit.core.registry import METHODS
+from mcit.methods.lora import LoRAFamily, LoRAFamilyParams, Targets
 
 
 class MoeLoraParams(LoRAFamilyParams):

@@ -22,9 +22,9 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
+from mcit.core.registry import METHODS
 from mcit.data.types import TaskSequence
 from mcit.methods.hide_prompt import HiDePrompt, HiDePromptParams
-from mcit.core.registry import METHODS
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "sigmoid": torch.sigmoid, "tanh": torch.tanh, "gelu": F.gelu}

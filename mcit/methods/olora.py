@@ -24,10 +24,10 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
+from mcit.core.registry import METHODS
 from mcit.data.types import Batch, TaskSequence
 from mcit.methods.base import LossTerms
 from mcit.methods.lora import LoRAFamily, LoRAFamilyParams
-from mcit.core.registry import METHODS
 
 
 class OLoraParams(LoRAFamilyParams):

@@ -34,13 +34,13 @@ import torch
 from pydantic import Field
 from torch import nn
 
+from mcit.core.registry import METHODS
+from mcit.core.subspace import energy_basis, project_out
 from mcit.data.types import Batch, TaskSequence
 from mcit.methods.dualprompt import DualPrompt, DualPromptParams, task_prompt_ids
 from mcit.methods.l2p import L2P, L2PParams
 from mcit.methods.prompting import gather_prefix
 from mcit.models.base import LayerPrompt
-from mcit.core.registry import METHODS
-from mcit.core.subspace import energy_basis, project_out
 
 
 class PGPMixin:

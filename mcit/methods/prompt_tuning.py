@@ -14,10 +14,10 @@ import torch
 from pydantic import Field
 from torch import nn
 
+from mcit.core.registry import METHODS
 from mcit.data.types import Batch, TaskSequence
 from mcit.methods.base import MethodParams
 from mcit.methods.instruction import InstructionMethod, init_from_vocab
-from mcit.core.registry import METHODS
 
 
 class PromptTuningParams(MethodParams):

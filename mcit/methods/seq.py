@@ -14,10 +14,10 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
+from mcit.core.registry import METHODS
 from mcit.data.types import Batch, TaskSequence
 from mcit.methods.base import LossTerms, Method, MethodParams
 from mcit.methods.prompting import insert_prompts, pool, uniform_
-from mcit.core.registry import METHODS
 
 
 class SeqParams(MethodParams):

@@ -45,12 +45,12 @@ import torch.nn.functional as F
 from pydantic import Field, model_validator
 from torch import nn
 
+from mcit.core.registry import METHODS
 from mcit.data.types import Batch, TaskSequence
 from mcit.methods.base import LayerList, MethodParams
 from mcit.methods.dualprompt import DualPrompt, DualPromptParams, task_prompt_ids
 from mcit.methods.l2p import L2P, L2PParams
 from mcit.methods.prompting import cosine, uniform_
-from mcit.core.registry import METHODS
 
 ATTENTION_ROLES = ("q", "k", "v", "o")
 MLP_ROLES = ("fc1", "fc2")

@@ -44,10 +44,10 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
-from mcit.data.types import Batch, TaskSequence
-from mcit.methods.base import AuxiliaryBackbone, LossTerms, Method, LayerList, MethodParams, auxiliary_of
-from mcit.methods.class_gaussians import fit_mixture, sample_mixture
 from mcit.core.registry import METHODS
+from mcit.data.types import Batch, TaskSequence
+from mcit.methods.base import AuxiliaryBackbone, LayerList, LossTerms, Method, MethodParams, auxiliary_of
+from mcit.methods.class_gaussians import fit_mixture, sample_mixture
 
 
 class STARPromptParams(MethodParams):

@@ -50,12 +50,12 @@ import torch.nn.functional as F
 from pydantic import Field, model_validator
 from torch import nn
 
+from mcit.core.registry import METHODS
 from mcit.data.types import Batch, TaskSequence
-from mcit.methods.base import LossTerms, Method, LayerList, MethodParams
+from mcit.methods.base import LayerList, LossTerms, Method, MethodParams
 from mcit.methods.class_gaussians import class_moments, gaussian_factors, moments_to_gaussians, sample_classes
 from mcit.methods.prompting import mask_to_classes, uniform_
 from mcit.models.base import LayerPrompt
-from mcit.core.registry import METHODS
 
 
 class VPTNSP2Params(MethodParams):

@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mcit.models.base import BackboneError, PromptableImageEncoder, check_hf_dir
 from mcit.core.registry import BACKBONES
+from mcit.models.base import BackboneError, PromptableImageEncoder, check_hf_dir
 
 
 @BACKBONES.register("clip")

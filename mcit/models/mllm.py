@@ -25,9 +25,9 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from mcit.core.registry import BACKBONES
 from mcit.data.types import Batch
 from mcit.models.base import Backbone, BackboneError
-from mcit.core.registry import BACKBONES
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -127,7 +127,7 @@ class MLLMBackbone(Backbone):
         try:
             try:
                 processor = AutoProcessor.from_pretrained(path)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 if kind != "qwen2_vl":
                     raise
                 processor = ImageTokenProcessor.from_pretrained(path)  # no torchvision: no video processor

@@ -99,8 +99,14 @@ def build_instructblip(tokenizer: Any, *, image_size: int = 32, patch_size: int 
     """A tiny InstructBLIP (BLIP-2 vision, Q-Former, Llama) and its InstructBlipProcessor, from config
     classes. The Q-Former reads the instruction with the same trained tokenizer."""
     import torch
-    from transformers import (InstructBlipConfig, InstructBlipForConditionalGeneration, InstructBlipProcessor,
-                              InstructBlipQFormerConfig, InstructBlipVisionConfig, LlamaConfig)
+    from transformers import (
+        InstructBlipConfig,
+        InstructBlipForConditionalGeneration,
+        InstructBlipProcessor,
+        InstructBlipQFormerConfig,
+        InstructBlipVisionConfig,
+        LlamaConfig,
+    )
     from transformers.models.blip.image_processing_pil_blip import BlipImageProcessorPil
 
     image_token = tokenizer.convert_tokens_to_ids(SPECIAL["image"])

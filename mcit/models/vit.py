@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from mcit.models.base import PromptableImageEncoder
 from mcit.core.registry import BACKBONES
+from mcit.models.base import PromptableImageEncoder
 
 
 @BACKBONES.register("vit")

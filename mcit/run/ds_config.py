@@ -67,9 +67,8 @@ def _refuse_owned_keys(ds: dict[str, Any], path: Path, cfg: RunConfig, world: in
 def check_ds_config(ds: dict, path: Path) -> None:
     """The DeepSpeed JSON (with the run's batch sizes filled in for one process) through DeepSpeed's own
     config model, so an invalid value stops here, not in deepspeed.initialize on every rank."""
-    from pydantic import ValidationError
-
     from deepspeed.runtime.config import DeepSpeedConfig
+    from pydantic import ValidationError
 
     try:
         DeepSpeedConfig(ds)

@@ -25,10 +25,10 @@ from mcit.core import distributed as dist
 from mcit.core import preemption
 from mcit.core.checkpoint import WriteError, atomic_write_text
 from mcit.core.config import RunConfig
-from mcit.run.ds_config import build_ds_config
 from mcit.data.loader import Epoch, LoaderOptions, global_valid, micro_steps_per_epoch, rank_counts, train_epochs
 from mcit.data.shards import Split
 from mcit.methods.base import Method
+from mcit.run.ds_config import build_ds_config
 
 COMMITTED = "committed.json"
 

@@ -16,11 +16,11 @@ from typing import Any, Callable, Iterator
 import torch
 
 from mcit.core import distributed as dist
+from mcit.core.registry import METHODS
 from mcit.data.shards import Split
 from mcit.methods.base import Method
 from mcit.models.base import Backbone, load_backbone
 from mcit.run.plan import Plan, ResolvedBackbone
-from mcit.core.registry import METHODS
 
 
 def _load(resolved: ResolvedBackbone, dtype: torch.dtype) -> Backbone:

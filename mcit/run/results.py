@@ -11,7 +11,6 @@ from mcit.core.checkpoint import atomic_write_text, read_json, write_json
 from mcit.run.plan import Plan
 
 
-
 def rows(plan: Plan, done: int) -> tuple[list[list[float]], list[float] | None, list[int]]:
     """The first ``done`` accuracy-matrix rows, the zero-shot row (or None) and the test counts."""
     rd = plan.run

@@ -31,8 +31,15 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from mcit.core.checkpoint import atomic_write_text
-from mcit.core.config import ConfigError, RunConfig, dump_config, load_config, parse_override, read_yaml_mapping, \
-    validate_config
+from mcit.core.config import (
+    ConfigError,
+    RunConfig,
+    dump_config,
+    load_config,
+    parse_override,
+    read_yaml_mapping,
+    validate_config,
+)
 from mcit.core.rundir import RunDir
 
 

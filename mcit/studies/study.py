@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from mcit.core.checkpoint import atomic_write_text
 from mcit.core import metrics as M
+from mcit.core.checkpoint import atomic_write_text
 from mcit.core.config import load_config
 from mcit.studies.results import cell, save_figure
 

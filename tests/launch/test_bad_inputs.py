@@ -73,7 +73,7 @@ def _config_variant(cfg: Path, work: Path, name: str, edit) -> Path:
     return out
 
 
-def build_case(case: str, assets, work: Path, cfg: Path, done: Path, open_dir: Path) -> Bad:  # noqa: C901, PLR0911, PLR0912
+def build_case(case: str, assets, work: Path, cfg: Path, done: Path, open_dir: Path) -> Bad:
     over = [f"run_dir={open_dir}"]
     run = lambda args, expect, **kw: Bad("run_task_sequence", ["--config", str(cfg), *over, *args], expect, **kw)  # noqa: E731
     ev = lambda args, expect, **kw: Bad("evaluate", args, expect, **kw)  # noqa: E731

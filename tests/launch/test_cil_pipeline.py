@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 
-
 @pytest.mark.parametrize("method, zero", [
     ({"name": "hide_prompt", "prompt_length": 2, "e_layers": [0, 1], "ca_epochs": 3}, "zero2"),
 ])

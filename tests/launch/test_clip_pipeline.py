@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 
 
-
-
 def test_clip_zero_shot_runs_the_pipeline_without_training(assets, clip_backbone, tmp_path):
     from conftest import launch, tiny_config
 

@@ -6,12 +6,10 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-
 from conftest import EVALUATE, FAULTY, ROOT, free_port, launch, launcher_cmd, mcit_config, run_env
+
 from mcit.core import scorers as S
 
 

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import EVALUATE, FAULTY, http_served, launch, run_main, snapshot, tiny_config
 
 METRIC_KEYS = {"tasks", "acc_matrix", "final_avg_acc", "final_avg_acc_task_mean", "avg_incremental_acc",
@@ -451,7 +450,6 @@ def test_a_run_started_with_relative_paths_evaluates_after_a_move_from_another_d
 
 def _start(cfg, **env):
     import subprocess
-    import sys
 
     from conftest import ROOT, free_port, launcher_cmd, run_env
 

@@ -14,7 +14,6 @@ def test_launched_run_leaves_no_deepspeed_shm_workspace(tmp_path, nproc):
     killed run leaks nothing either) and the shm allreduce keeps working."""
     import json
     import subprocess
-    import sys
     from pathlib import Path
 
     from conftest import ROOT, free_port, launcher_cmd, run_env

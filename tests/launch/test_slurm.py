@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, run_env, tiny_config
 
 CLUSTER = Path(__file__).parent / "slurm" / "cluster.sh"

@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import numpy as np
-
 from conftest import ROOT, check_aggregate_against_runs, run_env, sweep_spec, tiny_config
 
 

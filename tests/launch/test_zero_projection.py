@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, free_port, launcher_cmd, mcit_config, run_env, tiny_config
 
 ZERO = {

@@ -11,8 +11,8 @@ from __future__ import annotations
 import tiny_inputs as T
 import torch
 
-from mcit.data.types import TaskSequence
 from mcit.core.registry import METHODS
+from mcit.data.types import TaskSequence
 
 
 def _set(m, key: str, value) -> None:

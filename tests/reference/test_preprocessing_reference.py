@@ -19,14 +19,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from preprocessing_inputs import images, sample_positions
 
 from mcit.core.config import load_config
 from mcit.data import transforms as X
 from mcit.models import zoo as Z
 from mcit.run.plan import ResolvedBackbone
 from mcit.run.preflight import image_pipeline
-
-from preprocessing_inputs import images, sample_positions
 
 ROOT = Path(__file__).resolve().parents[2]
 REF = json.loads((Path(__file__).parent / "official" / "preprocessing.json").read_text())

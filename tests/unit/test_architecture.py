@@ -229,8 +229,8 @@ def test_every_hook_the_pipeline_and_evaluator_call_is_declared_on_method():
 def test_stages_are_declared_and_the_declarations_are_true():
     """has_subspace_stage / projects_updates are class attributes, never found by introspection in the
     pipeline; each shipped method declares exactly what it implements."""
-    from mcit.methods.base import Method
     from mcit.core.registry import METHODS
+    from mcit.methods.base import Method
 
     for f in ("mcit/run/pipeline.py", "mcit/run/lifecycle.py", "mcit/run/engine.py"):
         assert "is not Method." not in (ROOT / f).read_text()

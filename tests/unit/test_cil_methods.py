@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
+from mcit.core.registry import METHODS
 from mcit.data.types import Batch, TaskSequence
 from mcit.methods.instruction import InstructionMethod
 from mcit.methods.prompting import gather_prefix, mask_to_classes
 from mcit.models.vit import ViTBackbone
-from mcit.core.registry import METHODS
 
 # Small settings that fit the 32-wide, 2-block test backbone; every CIL method must appear here.
 SMALL = {

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mcit.data.types import Batch, TaskSequence
 from mcit.core.registry import METHODS
+from mcit.data.types import Batch, TaskSequence
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +51,7 @@ def test_clip_backbone_matches_transformers_clip(clip):
 
 def test_clip_class_names_reach_the_sequence(assets, tmp_path):
     from conftest import tiny_config
+
     from mcit.core.config import load_config
     from mcit.run.preflight import preflight
 
@@ -242,6 +243,7 @@ def test_star_prompt_two_levels_train_what_they_should_and_infer_per_sample(vit,
 
 def test_star_prompt_names_a_missing_clip_before_loading(assets, tmp_path):
     from conftest import tiny_config
+
     from mcit.core.config import ConfigError, load_config
     from mcit.run.preflight import preflight
 
@@ -258,10 +260,11 @@ def test_star_prompt_clip_goes_through_the_zoo_and_guards_resume(assets, clip_ba
     import json
 
     from conftest import tiny_config
+
     from mcit.core.config import ConfigError, load_config
+    from mcit.core.rundir import RunDirError
     from mcit.models import zoo as Z
     from mcit.run.preflight import preflight
-    from mcit.core.rundir import RunDirError
 
     def cfg(**method):
         return load_config(tiny_config(assets, tmp_path, "star_zoo", method={

@@ -7,10 +7,19 @@ import pickle
 
 import numpy as np
 import pytest
+from raw_formats import (
+    N_CLASSES,
+    cifar_raw,
+    coin_raw,
+    convert,
+    convert_instruction_sets,
+    cub_raw,
+    domainnet_raw,
+    imagenet_r_raw,
+    llava_mix_raw,
+)
 
 from mcit.data.shards import DataError, open_split
-from raw_formats import (N_CLASSES, cifar_raw, coin_raw, convert, convert_instruction_sets, cub_raw, domainnet_raw,
-                         imagenet_r_raw, llava_mix_raw)
 
 
 def test_cifar100_converts_verifies_and_orders_reproducibly(tmp_path):

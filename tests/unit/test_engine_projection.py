@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 from mcit.core.config import validate_config
+from mcit.core.registry import METHODS
 from mcit.data.types import Batch, TaskSequence
 from mcit.methods.base import LossTerms, Method, MethodParams
-from mcit.core.registry import METHODS
 
 D = 12
 

@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mcit.core.registry import BACKBONES, METHODS
 from mcit.data.types import Batch, TaskSequence
 from mcit.methods.base import LossTerms, Method, MethodParams
 from mcit.models.base import Backbone
-from mcit.core.registry import BACKBONES, METHODS
 
 CALLS: list[tuple] = []  # (hook, task, phase) over every build of the method in this process
 

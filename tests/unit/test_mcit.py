@@ -7,9 +7,9 @@ import json
 
 import pytest
 import torch
-
 from conftest import ROOT, mcit_config, run_main
 from raw_formats import convert
+
 from mcit.core import scorers as S
 from mcit.core.subspace import energy_basis, project_out, token_covariance
 
@@ -131,8 +131,8 @@ def test_the_collate_travels_to_persistent_workers_without_the_model(llava, back
 
 
 def test_generation_does_not_depend_on_the_batch(llava):
-    from mcit.data.types import TaskSequence
     from mcit.core.registry import METHODS
+    from mcit.data.types import TaskSequence
 
     bb, split, samples = llava
     cls = METHODS.get("fwd_prompt")
@@ -147,8 +147,8 @@ def test_generation_does_not_depend_on_the_batch(llava):
 def test_fwd_prompt_ablations_project_onto_or_out_of_the_pretrained_space(llava):
     """``combine: pretrained_only`` keeps every update inside the pre-trained core space (reuse only);
     the default keeps updates out of the old tasks' spaces; ``project: false`` leaves them alone."""
-    from mcit.data.types import TaskSequence
     from mcit.core.registry import METHODS
+    from mcit.data.types import TaskSequence
 
     bb, _, _ = llava
     cls = METHODS.get("fwd_prompt")
@@ -173,8 +173,8 @@ def test_fwd_prompt_ablations_project_onto_or_out_of_the_pretrained_space(llava)
 
 
 def test_lora_rebuild_reuses_injected_adapters(llava):
-    from mcit.data.types import TaskSequence
     from mcit.core.registry import METHODS
+    from mcit.data.types import TaskSequence
 
     bb, split, samples = llava
     cls = METHODS.get("lora")
@@ -199,9 +199,9 @@ def test_lora_family_starts_as_the_pretrained_model_and_rebuilds_from_its_state(
     """O-LoRA and MoELoRA add nothing before training (B = 0: the zero-shot row is the pre-trained model's);
     after training, a rebuilt method that loads the state computes the same loss. O-LoRA trains only the
     current task's pair, and from the second task on its orthogonality term is positive."""
+    from mcit.core.registry import METHODS
     from mcit.data.types import TaskSequence
     from mcit.models.mllm import MLLMBackbone
-    from mcit.core.registry import METHODS
 
     _, split, samples = llava
     bb = MLLMBackbone.from_path(str(mcit_assets["backbone"]))  # its own: each method injects its own layers
@@ -254,9 +254,9 @@ def test_every_shipped_config_validates():
 
 
 def test_llava_15_7b_architecture_builds_without_weights():
+    from mcit.core.registry import METHODS
     from mcit.data.types import TaskSequence
     from mcit.models.mllm import build_empty
-    from mcit.core.registry import METHODS
 
     bb = build_empty("llava-1.5-7b")
     total = sum(p.numel() for p in bb.model.parameters())
@@ -342,12 +342,12 @@ def test_llava_batch_rows_equal_one_sample_batches(llava, mcit_assets):
 
 
 def test_instructblip_backbone_trains_prompts_and_generates_per_sample(mcit_assets, tmp_path):
+    from mcit.core.registry import METHODS
     from mcit.data import tiny_mcit as B
     from mcit.data.shards import iter_samples, open_split
     from mcit.data.types import TaskSequence
-    from mcit.models.tiny_llava import build_instructblip, train_tokenizer
     from mcit.models.base import load_backbone
-    from mcit.core.registry import METHODS
+    from mcit.models.tiny_llava import build_instructblip, train_tokenizer
 
     model, proc = build_instructblip(train_tokenizer(B.corpus(), image_token_attribute=False))
     model.save_pretrained(tmp_path / "iblip")
@@ -371,10 +371,10 @@ def test_instructblip_backbone_trains_prompts_and_generates_per_sample(mcit_asse
 
 @pytest.mark.parametrize("mode,layer", [("4bit", "Linear4bit"), ("8bit", "Linear8bitLt")])
 def test_quantized_frozen_backbone(mcit_assets, mode, layer):
+    from mcit.core.registry import METHODS
     from mcit.data.shards import iter_samples, open_split
     from mcit.data.types import TaskSequence
     from mcit.models.mllm import MLLMBackbone
-    from mcit.core.registry import METHODS
 
     bb = MLLMBackbone.from_path(str(mcit_assets["backbone"]), quantization=mode)
     assert type(bb.language_model.layers[0].self_attn.q_proj).__name__ == layer
@@ -392,12 +392,12 @@ def test_quantized_frozen_backbone(mcit_assets, mode, layer):
 
 
 def test_qwen2_vl_backbone_mrope_prompts_and_own_greedy_loop(mcit_assets, tmp_path):
+    from mcit.core.registry import METHODS
     from mcit.data import tiny_mcit as B
     from mcit.data.shards import iter_samples, open_split
     from mcit.data.types import TaskSequence
-    from mcit.models.tiny_llava import build_qwen2_vl, train_tokenizer
     from mcit.models.base import load_backbone
-    from mcit.core.registry import METHODS
+    from mcit.models.tiny_llava import build_qwen2_vl, train_tokenizer
 
     model, proc = build_qwen2_vl(train_tokenizer(B.corpus()))
     model.save_pretrained(tmp_path / "qwen")
@@ -631,7 +631,7 @@ def test_stream_statistics_sums_every_batch_and_concatenates_rows_in_order():
         def __init__(self, x: torch.Tensor | None) -> None:
             self.x = x
 
-        def to(self, device):  # noqa: ANN001, ANN202
+        def to(self, device):
             return self
 
     class _M:
@@ -639,19 +639,19 @@ def test_stream_statistics_sums_every_batch_and_concatenates_rows_in_order():
             self.state: dict[str, torch.Tensor] = {}
             self.task = None
 
-        def statistics(self, b):  # noqa: ANN001, ANN202
+        def statistics(self, b):
             return None if b.x is None else {"s": b.x.sum(0), "cat:rows": b.x[:, :1]}
 
-        def finalize_statistics(self, sums, task):  # noqa: ANN001, ANN202
+        def finalize_statistics(self, sums, task):
             self.state, self.task = {"s": sums["s"], "rows": sums["cat:rows"]}, task
 
-        def state_dict(self):  # noqa: ANN202
+        def state_dict(self):
             return self.state
 
-        def load_state_dict(self, state):  # noqa: ANN001, ANN202
+        def load_state_dict(self, state):
             self.state = dict(state)
 
-        def subspace_report(self):  # noqa: ANN202
+        def subspace_report(self):
             return {"dims": 1}
 
     dist.init()
@@ -667,10 +667,10 @@ def test_stream_statistics_sums_every_batch_and_concatenates_rows_in_order():
     # only "cat:" rows (no summed key): they still reach finalize_statistics
 
     class _RowsOnly(_M):
-        def statistics(self, b):  # noqa: ANN001, ANN202
+        def statistics(self, b):
             return {"cat:rows": b.x[:, :1]}
 
-        def finalize_statistics(self, sums, task):  # noqa: ANN001, ANN202
+        def finalize_statistics(self, sums, task):
             self.state, self.task = {"rows": sums["cat:rows"]}, task
 
     m = _RowsOnly()

@@ -9,9 +9,9 @@ import importlib
 import re
 import subprocess
 import sys
-import tomllib
 from concurrent.futures import ThreadPoolExecutor
 
+import tomllib
 from conftest import ROOT
 
 COMMAND = re.compile(

@@ -3,14 +3,13 @@ one line. (Launched sweeps: tests/launch/test_sweep_launch.py; the Slurm array: 
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 import yaml
-
 from conftest import ROOT, sweep_spec
-from mcit.studies import spec as S
+
 from mcit.core.config import ConfigError
+from mcit.studies import spec as S
 
 
 def test_cli_orders_and_grid_parse():

@@ -375,9 +375,9 @@ def test_a_zoo_tag_in_the_config_converts_once_records_its_sha_and_guards_the_ru
     import yaml
 
     from mcit.core.config import dump_config, load_config
+    from mcit.core.rundir import RunDirError
     from mcit.models.base import load_backbone
     from mcit.run.preflight import preflight
-    from mcit.core.rundir import RunDirError
 
     monkeypatch.setitem(Z.ZOO, "dino_vitb16", tiny("dino_vitb16"))  # the real tag's ViT-B/16 shape, shrunk
     path, reference = _write(tmp_path, "dino")

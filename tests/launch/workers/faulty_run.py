@@ -60,7 +60,7 @@ def install_nonfinite(spec: str) -> None:
     fired = []
 
     @on_loss
-    def poison(t: int, gstep: int, loss):  # noqa: ANN001, ANN202
+    def poison(t: int, gstep: int, loss):
         if (t, gstep) == (task, step) and not fired:
             fired.append(True)  # on every rank, so all ranks count the same micro-batch
             if who in (None, dist.rank()):
@@ -108,7 +108,7 @@ if __name__ == "__main__":
         install(os.environ["MCIT_TEST_FAULT"])
     if os.environ.get("MCIT_TEST_NONFINITE"):
         install_nonfinite(os.environ["MCIT_TEST_NONFINITE"])
-    from mcit.core.distributed import exit_process
     from mcit.cli.run import main
+    from mcit.core.distributed import exit_process
 
     exit_process(main())  # as pipelines/run_task_sequence.py ends

@@ -15,12 +15,12 @@ import torch
 def run(method_name: str, params: dict, ds: str, backbone: str, shards: str) -> dict:
     from mcit.core import distributed as dist
     from mcit.core.config import validate_config
+    from mcit.core.registry import METHODS
     from mcit.data.loader import train_batches
     from mcit.data.shards import open_split
     from mcit.data.types import TaskSequence
-    from mcit.run.engine import consolidated_state, setup_engine, train_step
     from mcit.models.mllm import MLLMBackbone
-    from mcit.core.registry import METHODS
+    from mcit.run.engine import consolidated_state, setup_engine, train_step
 
     bb = MLLMBackbone.from_path(backbone)  # one backbone per method: each injects its own LoRA layers
     cfg = validate_config({"name": "l", "backbone": {"kind": "llava", "path": "unused"},
