@@ -11,7 +11,7 @@ CIL_CONFIGS  ?= $(foreach m,$(CIL_METHODS),configs/digits_$(m).yaml)
 DATA_ENV := DS_ACCELERATOR=cpu
 RUN := PATH=$(abspath $(BIN)):$$PATH DS_ACCELERATOR=cpu CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1
 
-.PHONY: install data data-cil demo demo-cil study-cil study-mcit sweep-demo test test-unit mutate bench clean clean-data
+.PHONY: install data data-cil demo demo-cil study-cil study-mcit sweep-demo lint test test-unit mutate bench clean clean-data
 
 install: $(VENV)/.installed
 
@@ -95,13 +95,18 @@ SWEEP_ARGS ?= --config configs/digits_vpt_nsp2.yaml --seeds 0 1 2 --grid method.
 sweep-demo: data-cil
 	$(RUN) $(BIN)/python -m pipelines.sweep $(SWEEP_ARGS) --nproc $(NPROC)
 
+lint: install
+	$(BIN)/ruff check --no-cache .
+
 # The quick loop: the in-process tests only (tests/unit; no launchers, no Slurm).
 test-unit: install
 	PATH=$(abspath $(BIN)):$$PATH DS_ACCELERATOR=cpu CUDA_VISIBLE_DEVICES= $(BIN)/python -m pytest -q -m unit tests
 
-# Two pytest workers, each test file whole on one of them (module fixtures such as the Slurm cluster
-# are built once): most tests wait on launched processes, so this is ~35% faster on 2 cores.
+# The linter first (ruff, settings in pyproject.toml), then two pytest workers, each test file whole on one of
+# them (module fixtures such as the Slurm cluster are built once): most tests wait on launched processes, so
+# this is ~35% faster on 2 cores.
 test: install
+	$(BIN)/ruff check --no-cache .
 	PATH=$(abspath $(BIN)):$$PATH DS_ACCELERATOR=cpu CUDA_VISIBLE_DEVICES= $(BIN)/python -m pytest -q -n 2 --dist loadfile tests
 
 # Mutation testing of the core modules against the in-process tests (settings: [tool.mutmut] in pyproject.toml).

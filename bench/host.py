@@ -5,8 +5,9 @@ bench times the code a run executes, in the documented hook order (``MethodHost`
 from __future__ import annotations
 
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -33,23 +34,31 @@ def build_embedded(cfg: Any) -> None:
             pretrain_llava(data, backbone)
 
 
-def build_host(config: str | Path, overrides: list[str]) -> tuple[Any, Any, tempfile.TemporaryDirectory]:
-    """(plan, host, run directory): ``config`` with ``overrides`` through pre-flight into a throwaway run
-    directory (delete it with ``.cleanup()``), the process group started, the frozen models loaded."""
+@contextmanager
+def bench_host(config: str | Path, overrides: list[str], *, random_vit_b16: bool = False) -> Iterator[tuple[Any, Any]]:
+    """(plan, host): ``config`` with ``overrides`` through pre-flight into a throwaway run directory, the process
+    group started, the frozen models loaded; on exit the process group ends and the directory goes.
+    ``random_vit_b16``: the backbone is a randomly initialised ViT-B/16 (``save_random_vit_b16``)."""
     from mcit.core import distributed as dist
     from mcit.core.config import load_config
     from mcit.run.lifecycle import MethodHost
     from mcit.run.preflight import preflight
 
     dist.default_accelerator()
-    cfg = load_config(config, overrides)
-    build_embedded(cfg)
-    run_dir = tempfile.TemporaryDirectory(prefix="mcit-bench-")
-    plan = preflight(cfg, run_dir=Path(run_dir.name))
-    dist.init()
-    host = MethodHost(plan)
-    host.load_models()
-    return plan, host, run_dir
+    with tempfile.TemporaryDirectory(prefix="mcit-bench-") as tmp:
+        if random_vit_b16:
+            save_random_vit_b16(f"{tmp}/vit_b16")
+            overrides = [*overrides, f"backbone.path={tmp}/vit_b16", "backbone.tag=local"]
+        cfg = load_config(config, overrides)
+        build_embedded(cfg)
+        plan = preflight(cfg, run_dir=Path(tmp) / "run")
+        dist.init()
+        try:
+            host = MethodHost(plan)
+            host.load_models()
+            yield plan, host
+        finally:
+            dist.shutdown()
 
 
 def save_random_vit_b16(path: str) -> None:

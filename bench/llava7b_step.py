@@ -116,11 +116,13 @@ def main(argv: list[str] | None = None) -> int:
     needed_flops = B * (4 * n_lm * t_lm + 2 * n_vis * t_vis)
     step_s = dt / args.steps
     print(f"ZeRO-2 bf16 step ({args.quantization}), batch {B}, {t_lm} LLM tokens per sample (prompts included): "
-          f"{step_s * 1000:.0f} ms/step, {args.steps * B / dt:.2f} samples/s, {args.steps * B * t_lm / dt:,.0f} tokens/s, "
+          f"{step_s * 1000:.0f} ms/step, {args.steps * B / dt:.2f} samples/s, "
+          f"{args.steps * B * t_lm / dt:,.0f} tokens/s, "
           f"peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB on {torch.cuda.get_device_name()}")
     print(f"MFU {100 * model_flops / step_s / (args.peak_tflops * 1e12):.1f}% (6NT model FLOPs, "
           f"{model_flops / step_s / 1e12:.0f} TFLOP/s); needed-FLOPs utilisation "
-          f"{100 * needed_flops / step_s / (args.peak_tflops * 1e12):.1f}% (4NT, frozen LLM) of {args.peak_tflops:.0f} TFLOP/s")
+          f"{100 * needed_flops / step_s / (args.peak_tflops * 1e12):.1f}% (4NT, frozen LLM) of "
+          f"{args.peak_tflops:.0f} TFLOP/s")
     if args.generate:
         time_generation(method, model, batch, args.generate, cfg.text_config.vocab_size)
     return 0

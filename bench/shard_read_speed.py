@@ -47,7 +47,8 @@ def make_raw(root: Path, n: int, size: tuple[int, int]) -> Path:
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         Image.fromarray(np.clip(arr, 0, 255).astype(np.uint8)).save(root / rel, quality=90)
         items.append({"id": f"q{i}", "image": rel, "conversations": [
-            {"from": "human", "value": f"<image>\nWhat is shown in picture {i}? Answer the question using a single word."},
+            {"from": "human",
+             "value": f"<image>\nWhat is shown in picture {i}? Answer the question using a single word."},
             {"from": "gpt", "value": f"answer{i % 37}"}]})
     (root / "train.json").write_text(json.dumps(items))
     return root / "train.json"

@@ -102,7 +102,8 @@ def main() -> int:
     tokens = n_batches * per
     print(f"subspace stage: d {args.dim}, {tokens:,} tokens in {n_batches} batches of {args.batch} x {args.seq}, "
           f"{dtype} embeddings on {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}")
-    print(f"total {total:.1f} s = streaming {total - holder.decompose_s:.1f} s ({tokens / (total - holder.decompose_s):,.0f} "
+    streaming = total - holder.decompose_s
+    print(f"total {total:.1f} s = streaming {streaming:.1f} s ({tokens / streaming:,.0f} "
           f"tokens/s) + energy_basis {holder.decompose_s:.1f} s; basis {report['dims']} of {args.dim} dims at eps "
           f"{args.eps}")
     if device.type == "cuda":

@@ -79,9 +79,10 @@ def build(out: Path, *, seed: int = 0, classes_per_task: int = 2, test_fraction:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return builder_main(__doc__, build, lambda a, meta: f"digits benchmark at {a.out}: class order {meta['class_order']}, "
-                        f"{len(meta['tasks'])} tasks", argv, out="data/shards/digits",
-                        options=("seed", "classes_per_task", "shard_size"))
+    return builder_main(__doc__, build,
+                        lambda a, meta: f"digits benchmark at {a.out}: class order {meta['class_order']}, "
+                                        f"{len(meta['tasks'])} tasks",
+                        argv, out="data/shards/digits", options=("seed", "classes_per_task", "shard_size"))
 
 
 if __name__ == "__main__":

@@ -59,14 +59,16 @@ def build(raw: Path, out: Path, *, train_lists: list[Path], test_lists: list[Pat
             for spec in read_list(lst, raw):
                 cls_name = Path(spec[3]).parts[1]
                 if names.setdefault(spec[2], cls_name) != cls_name:
-                    raise RecordError(spec[3], lst, f"label {spec[2]} is {names[spec[2]]!r} elsewhere, {cls_name!r} here")
+                    raise RecordError(spec[3], lst,
+                                      f"label {spec[2]} is {names[spec[2]]!r} elsewhere, {cls_name!r} here")
                 specs.append(spec)
         dup = check_unique([r[3] for r in specs], ", ".join(map(str, lists)), on_error)
         skipped[s] = [specs[i][3] for i in sorted(dup)]
         splits[s] = [r for i, r in enumerate(specs) if i not in dup]
     labels = sorted(names)
     if labels != list(range(len(labels))):
-        raise DataError(f"labels of {train_lists[0]} are not 0..{len(labels) - 1} (missing {sorted(set(range(max(labels) + 1)) - set(labels))[:5]})")
+        raise DataError(f"labels of {train_lists[0]} are not 0..{len(labels) - 1} "
+                        f"(missing {sorted(set(range(max(labels) + 1)) - set(labels))[:5]})")
     return build_cil(out, splits, [names[c] for c in labels], benchmark="domainnet", classes_per_task=classes_per_task,
                      seed=seed, encode=encode, source_skipped=skipped, shard_size=shard_size, workers=workers,
                      on_error=on_error, progress=progress,

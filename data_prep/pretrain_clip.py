@@ -176,8 +176,9 @@ def pretrain(out: Path, *, vision_hidden: int = 64, vision_layers: int = 4, text
     tmp = staging_dir(out)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    CLIPImageProcessorPil(do_resize=True, size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size},
-                       image_mean=[0.5] * 3, image_std=[0.5] * 3, do_convert_rgb=True).save_pretrained(tmp)
+    CLIPImageProcessorPil(do_resize=True, size={"shortest_edge": image_size},
+                          crop_size={"height": image_size, "width": image_size},
+                          image_mean=[0.5] * 3, image_std=[0.5] * 3, do_convert_rgb=True).save_pretrained(tmp)
     info = {"settings": settings, "environment": build_environment(),
             "concepts": names, "val_zero_shot_accuracy": val_acc,
             "sklearn_digits_zero_shot_accuracy": digits_acc, "digits_template": DIGIT_TEMPLATE,

@@ -76,7 +76,8 @@ def pretrain(out: Path, *, hidden: int = 96, layers: int = 6, heads: int = 4, im
 def main(argv: list[str] | None = None) -> int:
     return builder_main(__doc__, pretrain, lambda a, info: f"tiny ViT at {a.out}: procedural val accuracy "
                         f"{info['val_accuracy']:.3f} ({info['seconds']} s to train)", argv,
-                        out="data/backbones/tiny_vit_procedural", options=("hidden", "layers", "n_train", "epochs", "seed"))
+                        out="data/backbones/tiny_vit_procedural",
+                        options=("hidden", "layers", "n_train", "epochs", "seed"))
 
 
 if __name__ == "__main__":

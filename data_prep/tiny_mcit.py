@@ -53,7 +53,8 @@ def build(out: Path, *, seed: int = 0, n_train: int = 384, n_test: int = 400, n_
 
 
 def main(argv: list[str] | None = None) -> int:
-    return builder_main(__doc__, build, lambda a, meta: f"tiny_mcit benchmark at {a.out}: tasks {meta['tasks']} (+ base mix)",
+    return builder_main(__doc__, build,
+                        lambda a, meta: f"tiny_mcit benchmark at {a.out}: tasks {meta['tasks']} (+ base mix)",
                         argv, out="data/shards/tiny_mcit", options=("seed", "n_train", "n_test", "n_base"))
 
 

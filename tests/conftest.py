@@ -191,13 +191,15 @@ def snapshot(d: Path) -> dict[str, str]:
     """Every file under ``d`` (relative path -> sha256): a run directory byte for byte."""
     import hashlib
 
-    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.rglob("*")) if p.is_file()}
+    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(d.rglob("*")) if p.is_file()}
 
 
 def run_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    if os.environ.get("MCIT_TEST_ACCELERATOR", "cpu") == "cpu":  # MCIT_TEST_ACCELERATOR=cuda: launched runs use the GPUs
+    # MCIT_TEST_ACCELERATOR=cuda: launched runs use the GPUs
+    if os.environ.get("MCIT_TEST_ACCELERATOR", "cpu") == "cpu":
         env.update(DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="")
     else:
         env["DS_ACCELERATOR"] = os.environ["MCIT_TEST_ACCELERATOR"]
@@ -232,7 +234,8 @@ def launch(args: list[str], launcher: str = "python", nproc: int = 1, timeout: i
     if launcher == "python":
         cmd = [sys.executable, str(entry)]
     elif launcher == "deepspeed":
-        cmd = [launcher_cmd("deepspeed", nproc), "--num_gpus", str(nproc), "--master_port", str(free_port()), str(entry)]
+        cmd = [launcher_cmd("deepspeed", nproc), "--num_gpus", str(nproc), "--master_port", str(free_port()),
+               str(entry)]
     elif launcher == "torchrun":
         cmd = [launcher_cmd("torchrun", nproc), "--nproc_per_node", str(nproc), "--master_port", str(free_port()),
                str(entry)]

@@ -29,7 +29,8 @@ def convert(module: str, *args: object) -> subprocess.CompletedProcess:
             rc = mod.main(argv)
         except SystemExit as e:  # argparse's usage errors
             rc = e.code if isinstance(e.code, int) else 1
-    return subprocess.CompletedProcess(["python", "-m", f"data_prep.{module}", *argv], rc, out.getvalue(), err.getvalue())
+    return subprocess.CompletedProcess(["python", "-m", f"data_prep.{module}", *argv], rc, out.getvalue(),
+                                       err.getvalue())
 
 
 def cifar_raw(root, n_train=5, n_test=2, bad_label=False, duplicate=False, test_without=None):
@@ -128,7 +129,8 @@ def coin_raw(root):
     test = [{"question_id": 100 + n, "image": f"vqa/{c}2.jpg", "text": q, "answer": c} for n, c in enumerate(colours)]
     ann = {"data": [{"question_id": 100 + n, "answers": [c] * 7 + ["dark " + c] * 3} for n, c in enumerate(colours)]}
     gtrain = [{"id": f"g{n}", "image": f"vqa/{c}0.jpg", "conversations": [
-        {"from": "human", "value": "<image>\nGive the box of the object."}, {"from": "gpt", "value": "[0.1, 0.1, 0.9, 0.9]"}]}
+        {"from": "human", "value": "<image>\nGive the box of the object."},
+        {"from": "gpt", "value": "[0.1, 0.1, 0.9, 0.9]"}]}
         for n, c in enumerate(colours)]
     gtest = [{"question_id": f"gq{n}", "image": f"vqa/{c}1.jpg", "text": "Give the box of the object.",
               "answer_bbox": "[0.1,0.1,0.9,0.9]", "size": [32, 32]} for n, c in enumerate(colours)]
@@ -142,9 +144,11 @@ def coin_raw(root):
     # VizWiz: CoIN's val.json questions; the VizWiz release's val.json annotations (no question_id) beside
     vq = "What colour is this?\nWhen the provided information is insufficient, respond with 'Unanswerable'."
     vtrain = [dict(r, id=f"v{n}") for n, r in enumerate(train)]
-    vval = [{"question_id": 7 + n, "image": f"vqa/{c}2.jpg", "text": vq, "answer": c} for n, c in enumerate(("red", "green"))]
+    vval = [{"question_id": 7 + n, "image": f"vqa/{c}2.jpg", "text": vq, "answer": c}
+            for n, c in enumerate(("red", "green"))]
     vann = [{"image": f"{c}2.jpg", "question": "What colour is this?", "answerable": 1, "answer_type": "other",
-             "answers": [{"answer": c, "answer_confidence": "yes"}] * 8 + [{"answer": "dark", "answer_confidence": "maybe"}] * 2}
+             "answers": [{"answer": c, "answer_confidence": "yes"}] * 8
+                        + [{"answer": "dark", "answer_confidence": "maybe"}] * 2}
             for c in ("green", "red")]
     for task, (tr, te, test_file) in {"TextVQA": (train, test, "val"), "Grounding": (gtrain, gtest, "test"),
                                       "ScienceQA": (strain, stest, "test"), "VizWiz": (vtrain, vval, "val")}.items():
@@ -170,14 +174,17 @@ def llava_mix_raw(root):
     for n in range(6):
         conv = [{"from": "human", "value": "<image>\nWhat colour is the image?"}, {"from": "gpt", "value": "a colour"},
                 {"from": "human", "value": "Is it bright?"}, {"from": "gpt", "value": "yes" if n % 2 else "no"},
-                {"from": "human", "value": "Describe it in one word."}, {"from": "gpt", "value": "square"}][: 2 + 2 * (n % 3)]
+                {"from": "human", "value": "Describe it in one word."},
+                {"from": "gpt", "value": "square"}][: 2 + 2 * (n % 3)]
         recs.append({"id": f"{n:012d}", "image": f"coco/train2017/{n:012d}.jpg", "conversations": conv})
     recs.append({"id": "n1", "image": "gqa/images/n1.jpg", "conversations": [
         {"from": "human", "value": "Is the image dark?\n<image>"}, {"from": "gpt", "value": "Yes"}]})
     for n in range(3):
         recs.append({"id": f"sharegpt_{n}", "model": "", "conversations": [
-            {"from": "human", "value": f"Count to {n + 2}."}, {"from": "gpt", "value": " ".join(str(i + 1) for i in range(n + 2))},
-            {"from": "human", "value": "And back?"}, {"from": "gpt", "value": " ".join(str(i + 1) for i in range(n + 2))[::-1]}]})
+            {"from": "human", "value": f"Count to {n + 2}."},
+            {"from": "gpt", "value": " ".join(str(i + 1) for i in range(n + 2))},
+            {"from": "human", "value": "And back?"},
+            {"from": "gpt", "value": " ".join(str(i + 1) for i in range(n + 2))[::-1]}]})
     recs.append(dict(recs[0]))  # ids repeat in the real mix
     (root / "llava_v1_5_mix665k.json").write_text(json.dumps(recs))
     return root / "llava_v1_5_mix665k.json"
@@ -240,8 +247,9 @@ def convert_instruction_sets(tmp_path) -> dict[str, object]:
     seeded sample of a mix665k-shaped file through their converters; every conversion must succeed.
     Returns the raw and output folders by name."""
     raw = coin_raw(tmp_path / "coin_raw")
-    r = convert("coin", "--instructions", raw / "Instructions_Original", "--images", raw / "images", "--task", "textvqa",
-                "grounding", "scienceqa", "vizwiz", "--annotations", f"textvqa={raw / 'TextVQA_val.json'}",
+    r = convert("coin", "--instructions", raw / "Instructions_Original", "--images", raw / "images",
+                "--task", "textvqa", "grounding", "scienceqa", "vizwiz",
+                "--annotations", f"textvqa={raw / 'TextVQA_val.json'}",
                 f"vizwiz={raw / 'vizwiz_val_annotations.json'}", "--out", tmp_path / "coin", "--shard-size", 2,
                 "--workers", 2)
     assert r.returncode == 0, r.stderr

@@ -30,7 +30,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="run config (repeat for several methods)")
     ap.add_argument("--seeds", nargs="+", type=int, default=None)
     ap.add_argument("--orders", nargs="+", default=None,
-                    help="order ids (0 = the config's order, k = seeded shuffle k), ranges a-b, or permutations 4,3,2,1,0")
+                    help="order ids (0 = the config's order, k = seeded shuffle k), ranges a-b, "
+                         "or permutations 4,3,2,1,0")
     ap.add_argument("--order-unit", choices=["auto", "task", "class"], default=None)
     ap.add_argument("--grid", action="append", default=[], help="key.path=v1,v2,... (repeat: cartesian product)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="key.path=value for every point")

@@ -1,1 +1,2 @@
-"""The foundation room: registries, the console, the config, atomic writes, locations, ranks, the run directory, stop requests, metrics and scorers, subspace linear algebra."""
+"""The foundation room: registries, the console, the config, atomic writes, locations, ranks, the run directory,
+stop requests, metrics and scorers, subspace linear algebra."""

@@ -101,8 +101,9 @@ class DataConfig(_Strict):
         "backbone", description="preset of the training images' pipeline, normalisation included "
                                 "(mcit.data.transforms.PRESETS; the README's methods table names each method's): "
                                 "backbone (the default: the backbone's own inference pipeline, no augmentation), l2p, "
-                                "hide_cifar, coda, coda_imagenet, vpt_nsp2_cifar, vpt_nsp2_imagenet, vpt_nsp2_clip_cifar, "
-                                "vpt_nsp2_clip_imagenet, clip, star_cifar, star_cifar_imagenet_norm, star_imagenet_r")
+                                "hide_cifar, coda, coda_imagenet, vpt_nsp2_cifar, vpt_nsp2_imagenet, "
+                                "vpt_nsp2_clip_cifar, vpt_nsp2_clip_imagenet, clip, star_cifar, "
+                                "star_cifar_imagenet_norm, star_imagenet_r")
     normalization: Literal["preset", "backbone"] = Field(
         "preset", description="preset: the presets' own mean / std (the official code's, e.g. [0, 1] inputs in the "
                               "l2p family); backbone: the presets' resize, crop and augmentation with the backbone's "

@@ -4,9 +4,9 @@ Two ways to ask, because a cluster delivers the warning in two ways:
 
 * a signal (SIGUSR1 or SIGTERM) to any rank process: Slurm's ``--signal=USR1@T`` on the job steps,
   or the time limit's SIGTERM;
-* the file ``<run_dir>/PREEMPT`` (``RunDir.preempt_request``): the job scripts' trap writes it when the *batch shell* gets the
-  signal (``--signal=B:USR1@T``, ``scancel --signal=USR1 --batch``). Launchers such as DeepSpeed's
-  kill their children on SIGTERM instead of passing it on, and on several nodes only the batch
+* the file ``<run_dir>/PREEMPT`` (``RunDir.preempt_request``): the job scripts' trap writes it when the
+  *batch shell* gets the signal (``--signal=B:USR1@T``, ``scancel --signal=USR1 --batch``). Launchers such as
+  DeepSpeed's kill their children on SIGTERM instead of passing it on, and on several nodes only the batch
   node's shell is signalled, so a file on the shared run directory reaches every rank the same way.
 
 One rank noticing is enough: ``agreed()`` all-reduces the request once per optimizer step (and

@@ -182,7 +182,8 @@ class RunDir:
 
     def exported_tasks(self) -> list[int]:
         """Tasks with an exported method state, in order."""
-        return sorted(int(p.parent.name.split("_", 1)[1]) for p in self.root.glob("checkpoints/task_*/method.safetensors"))
+        exports = self.root.glob("checkpoints/task_*/method.safetensors")
+        return sorted(int(p.parent.name.split("_", 1)[1]) for p in exports)
 
     # -- status ----------------------------------------------------------------------------------------
     def _json(self, path: Path) -> Any:

@@ -155,7 +155,8 @@ class HiDePrompt(Method):
         m = self.params.prompt_momentum
         if task > 0 and m > 0:
             with torch.no_grad():
-                self.e_prompt[:, :, task] = (1 - m) * self.e_prompt[:, :, task] + m * self.e_prompt[:, :, :task].mean(dim=2)
+                old = self.e_prompt[:, :, :task].mean(dim=2)
+                self.e_prompt[:, :, task] = (1 - m) * self.e_prompt[:, :, task] + m * old
 
     def gate(self, layer_index: int):
         """Score rewrite for the prefix columns of e_layers[layer_index] (None: plain prefix tuning)."""
@@ -254,7 +255,8 @@ class HiDePrompt(Method):
             g = torch.Generator().manual_seed(int(self.init_seed) + 104729 * task)
             self.ca_log = {}
             if tii_epochs > 0:
-                self.ca_log["tii_ca_loss"] = self._align(self.tii, "frozen", task, p.ca_batch_size, g, tii_lr, tii_epochs)
+                self.ca_log["tii_ca_loss"] = self._align(self.tii, "frozen", task, p.ca_batch_size, g, tii_lr,
+                                                         tii_epochs)
             if p.ca_epochs > 0:
                 self.ca_log["tap_loss"] = self._align(self.head, "prompted", task, 5 * p.ca_batch_size, g, p.ca_lr,
                                                       p.ca_epochs)

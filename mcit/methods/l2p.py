@@ -91,7 +91,8 @@ class L2P(Method):
             logits = mask_to_classes(logits, self.sequence.tasks[batch.task].classes)
         ce = F.cross_entropy(logits, batch.labels, reduction="none")
         per_sample = ce - self.params.pull_coeff * outputs["selected_sim"]
-        return LossTerms(per_sample=per_sample, task=ce, logs={"pull_sim": float(outputs["selected_sim"].detach().mean())})
+        pull = float(outputs["selected_sim"].detach().mean())
+        return LossTerms(per_sample=per_sample, task=ce, logs={"pull_sim": pull})
 
     @torch.no_grad()
     def predict(self, batch: Batch) -> torch.Tensor:

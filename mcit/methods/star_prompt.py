@@ -52,7 +52,8 @@ from mcit.methods.class_gaussians import fit_mixture, sample_mixture
 
 class STARPromptParams(MethodParams):
     clip_path: str = Field(..., description="the first level's CLIP (official: OpenAI ViT-L/14): an HF directory, "
-                                            "or the original file for a zoo clip_tag", json_schema_extra={"input_path": True})
+                                            "or the original file for a zoo clip_tag",
+                           json_schema_extra={"input_path": True})
     clip_tag: str = Field("local", description="backbone zoo tag of clip_path (e.g. clip_vitl14_openai), or a label "
                                               "for an HF directory; recorded with its sha256 in backbone.json")
     clip_tokenizer: str | None = Field(None, description="clip_path an OpenAI file: a directory with its tokenizer",

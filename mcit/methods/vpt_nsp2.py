@@ -61,7 +61,8 @@ from mcit.models.base import LayerPrompt
 class VPTNSP2Params(MethodParams):
     prompt_length: int = Field(4, ge=1)
     layers: LayerList | None = Field(None, description="prompted blocks; default all (VPT-deep)")
-    null_space: bool = Field(True, description="false: plain sequential VPT-deep with per-task heads (no projection, no L_LN)")
+    null_space: bool = Field(True, description="false: plain sequential VPT-deep with per-task heads "
+                                               "(no projection, no L_LN)")
     eta1: float = Field(0.97, ge=0, le=1, description="weight of the null-space projection P1 (Q_X W_k)")
     eta2: float = Field(0.97, ge=0, le=1, description="weight of the null-space projection P2 (S_P)")
     eta: float | None = Field(None, ge=0, le=1, description="sets eta1 and eta2 together, over their own values (the "
@@ -189,11 +190,13 @@ class VPTNSP2(Method):
             appended = None
         prompts = None
         if capture is not None:
-            prompts = {layer: LayerPrompt(capture=self._capturer(i, layer, capture)) for i, layer in enumerate(self.layers)}
+            prompts = {layer: LayerPrompt(capture=self._capturer(i, layer, capture))
+                       for i, layer in enumerate(self.layers)}
         return self.backbone.encode(self.backbone.embed(pixel_values), prompts=prompts, appended=appended)
 
     def classify(self, pooled: torch.Tensor, train_scale: bool = True) -> torch.Tensor:
-        """Logits over every class from pooled features (B, D) (``train_scale=False``: the logit scale as a constant)."""
+        """Logits over every class from pooled features (B, D) (``train_scale=False``: the logit scale as a
+        constant)."""
         out = self.head(pooled.to(self.head.weight.dtype))
         if self.text_classifier:
             scale = self.logit_scale if train_scale else self.logit_scale.detach()

@@ -271,8 +271,8 @@ class PromptableImageEncoder(Backbone):
         except (OSError, json.JSONDecodeError):
             cfg = {}
         size = int((cfg.get("vision_config") or cfg).get("image_size", 224))
-        default = BackbonePreprocessing(size, None, FILTER_NAME[cls.resample], tuple(cls.default_mean), tuple(cls.default_std),
-                                        f"{cls.__name__} defaults")
+        default = BackbonePreprocessing(size, None, FILTER_NAME[cls.resample], tuple(cls.default_mean),
+                                        tuple(cls.default_std), f"{cls.__name__} defaults")
         proc = read_preprocessor(p) if p.is_dir() else {}
         if not proc:
             return default

@@ -33,7 +33,8 @@ class CLIPBackbone(PromptableImageEncoder):
     default_mean = (0.48145466, 0.4578275, 0.40821073)
     default_std = (0.26862954, 0.26130258, 0.27577711)
 
-    def __init__(self, model: nn.Module, image_mean: list[float], image_std: list[float], tokenizer: Any = None) -> None:
+    def __init__(self, model: nn.Module, image_mean: list[float], image_std: list[float],
+                 tokenizer: Any = None) -> None:
         super().__init__(model, image_mean, image_std)
         self.tokenizer = tokenizer
         self.projection_dim = int(model.config.projection_dim)
@@ -44,7 +45,8 @@ class CLIPBackbone(PromptableImageEncoder):
         """An HF CLIP checkpoint directory with a tokenizer."""
         cfg = check_hf_dir(path)
         if cfg.get("model_type") != "clip":
-            raise BackboneError(f"backbone path {path}: config.json has model_type {cfg.get('model_type')!r}, not 'clip'")
+            raise BackboneError(f"backbone path {path}: config.json has model_type {cfg.get('model_type')!r}, "
+                                f"not 'clip'")
         p = Path(path)
         if not any((p / f).is_file() for f in ("tokenizer.json", "vocab.json", "tokenizer_config.json")):
             raise BackboneError(f"backbone path {path} has no tokenizer files (tokenizer.json or vocab.json)")
@@ -57,7 +59,8 @@ class CLIPBackbone(PromptableImageEncoder):
     def load_model(cls, path: str | Path, dtype: torch.dtype) -> tuple[nn.Module, dict[str, Any]]:
         from transformers import AutoTokenizer, CLIPModel
 
-        return CLIPModel.from_pretrained(str(path), dtype=dtype), {"tokenizer": AutoTokenizer.from_pretrained(str(path))}
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        return CLIPModel.from_pretrained(str(path), dtype=dtype), {"tokenizer": tokenizer}
 
     @property
     def dtype(self) -> torch.dtype:

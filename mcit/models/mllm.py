@@ -79,12 +79,14 @@ class MLLMBackbone(Backbone):
                    "instructblip": ("lm_head", ".*vision_model", ".*qformer", ".*language_projection"),
                    "qwen2_vl": ("lm_head", ".*visual")}
 
-    def __init__(self, model: nn.Module, processor: Any, max_length: int = 2048, chat_format: str = "processor") -> None:
+    def __init__(self, model: nn.Module, processor: Any, max_length: int = 2048,
+                 chat_format: str = "processor") -> None:
         super().__init__()
         from mcit.models.chat import CHAT_FORMATS
 
         if chat_format not in CHAT_FORMATS:
-            raise BackboneError(f"backbone.chat_format: unknown format {chat_format!r}; known: {', '.join(CHAT_FORMATS)}")
+            raise BackboneError(f"backbone.chat_format: unknown format {chat_format!r}; "
+                                f"known: {', '.join(CHAT_FORMATS)}")
         kinds = {v: k for k, v in self.MODEL_CLASSES.items()}
         if type(model).__name__ not in kinds:
             raise BackboneError(f"unsupported multimodal model class {type(model).__name__}; "
@@ -470,8 +472,9 @@ class MLLMBackbone(Backbone):
                 break
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(B, 1)], 1)
             pos = (nxt + step).view(1, B, 1).expand(3, B, 1)
-            out = self.model(inputs_embeds=self.model.get_input_embeddings()(tok)[:, None], attention_mask=attention_mask,
-                             position_ids=pos, past_key_values=out.past_key_values, use_cache=True)
+            out = self.model(inputs_embeds=self.model.get_input_embeddings()(tok)[:, None],
+                             attention_mask=attention_mask, position_ids=pos, past_key_values=out.past_key_values,
+                             use_cache=True)
         seqs = torch.stack(tokens, 1).tolist()
         return [t.strip() for t in self.tokenizer.batch_decode(
             [[x for x in row[: row.index(eos) if eos in row else len(row)]] for row in seqs], skip_special_tokens=True)]
@@ -498,7 +501,8 @@ class ImageTokenProcessor:
         return cls(AutoTokenizer.from_pretrained(path), Qwen2VLImageProcessorPil.from_pretrained(path),
                    template.read_text() if template.is_file() else None)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False, tokenize: bool = False) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False,
+                            tokenize: bool = False) -> str:
         return self.tokenizer.apply_chat_template(messages, chat_template=self.chat_template, tokenize=False,
                                                   add_generation_prompt=add_generation_prompt)
 

@@ -108,7 +108,8 @@ ZOO: dict[str, ZooEntry] = {e.tag: e for e in [
                     "(model.safetensors)"),
     ZooEntry("sam_vitb16", "vit", "jax_npz", VIT_B16, **_TIMM_VIT,
              preprocessing_source=_TIMM.format("vit_base_patch16_224.sam_in1k"),
-             papers="ViT-B/16 trained with sharpness-aware minimisation on ImageNet-1k (timm vit_base_patch16_224.sam_in1k)",
+             papers="ViT-B/16 trained with sharpness-aware minimisation on ImageNet-1k "
+                    "(timm vit_base_patch16_224.sam_in1k)",
              obtain="https://storage.googleapis.com/vit_models/sam/ViT-B_16.npz",
              notes="SAM = sharpness-aware minimisation (Chen et al. 2022), not Segment Anything, whose windowed "
                    "ViT is not a ViT-B/16 image classifier"),
@@ -118,12 +119,14 @@ ZOO: dict[str, ZooEntry] = {e.tag: e for e in [
              papers="HiDe-Prompt, NoRGa (DINO-1K)",
              obtain="https://dl.fbaipublicfiles.com/dino/dino_vitbase16_pretrain/dino_vitbase16_pretrain.pth"),
     ZooEntry("ibot_vitb16", "vit", "ibot", VIT_B16, **_SSL,
-             preprocessing_source="bytedance/ibot da316d8 evaluation/eval_knn.py extract_feature_pipeline (= eval_linear.py)",
+             preprocessing_source="bytedance/ibot da316d8 evaluation/eval_knn.py extract_feature_pipeline "
+                                  "(= eval_linear.py)",
              papers="HiDe-Prompt, NoRGa (iBOT-1K)",
              obtain="https://lf3-nlp-opensource.bytetos.com/obj/nlp-opensource/archive/2022/ibot/vitb_16/"
                     "checkpoint_teacher.pth"),
     ZooEntry("ibot_vitb16_in21k", "vit", "ibot", VIT_B16, **_SSL,
-             preprocessing_source="bytedance/ibot da316d8 evaluation/eval_knn.py extract_feature_pipeline (= eval_linear.py)",
+             preprocessing_source="bytedance/ibot da316d8 evaluation/eval_knn.py extract_feature_pipeline "
+                                  "(= eval_linear.py)",
              papers="HiDe-Prompt, NoRGa (iBOT-21K)",
              obtain="https://lf3-nlp-opensource.bytetos.com/obj/nlp-opensource/archive/2022/ibot/vitb_16_pt22k/"
                     "checkpoint.pth (the teacher is used)"),
@@ -137,7 +140,8 @@ ZOO: dict[str, ZooEntry] = {e.tag: e for e in [
               "text": {"hidden_size": 512, "num_hidden_layers": 12, "num_attention_heads": 8,
                        "intermediate_size": 2048, "vocab_size": 49408, "max_position_embeddings": 77},
               "projection_dim": 512},
-             CLIP_MEAN, CLIP_STD, "bicubic", resize=224, preprocessing_source="openai/CLIP d05afc4 clip.py _transform(224)",
+             CLIP_MEAN, CLIP_STD, "bicubic", resize=224,
+             preprocessing_source="openai/CLIP d05afc4 clip.py _transform(224)",
              papers="VPT-NSP² CLIP rows, STAR-Prompt (CLIP level)",
              obtain="openai/CLIP's ViT-B-16.pt (clip.available_models()), or the HF directory "
                     "openai/clip-vit-base-patch16 (tag clip_vitb16_openai, any HF directory loads as it is)",
@@ -148,7 +152,8 @@ ZOO: dict[str, ZooEntry] = {e.tag: e for e in [
               "text": {"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,
                        "intermediate_size": 3072, "vocab_size": 49408, "max_position_embeddings": 77},
               "projection_dim": 768},
-             CLIP_MEAN, CLIP_STD, "bicubic", resize=224, preprocessing_source="openai/CLIP d05afc4 clip.py _transform(224)",
+             CLIP_MEAN, CLIP_STD, "bicubic", resize=224,
+             preprocessing_source="openai/CLIP d05afc4 clip.py _transform(224)",
              papers="STAR-Prompt (CLIP ViT-L/14)",
              obtain="openai/CLIP's ViT-L-14.pt, or the HF directory openai/clip-vit-large-patch14",
              layer_norm_eps=1e-5),
@@ -396,13 +401,15 @@ def openai_clip_to_hf(sd: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tens
             q, k, v = take(f"{s}.attn.in_proj_weight").chunk(3)
             qb, kb, vb = take(f"{s}.attn.in_proj_bias").chunk(3)
             for name, ww, bb in (("q_proj", q, qb), ("k_proj", k, kb), ("v_proj", v, vb)):
-                out[f"{d}.self_attn.{name}.weight"], out[f"{d}.self_attn.{name}.bias"] = ww.contiguous(), bb.contiguous()
+                out[f"{d}.self_attn.{name}.weight"] = ww.contiguous()
+                out[f"{d}.self_attn.{name}.bias"] = bb.contiguous()
             out[f"{d}.self_attn.out_proj.weight"] = take(f"{s}.attn.out_proj.weight")
             out[f"{d}.self_attn.out_proj.bias"] = take(f"{s}.attn.out_proj.bias")
             for a, b in (("ln_1", "layer_norm1"), ("ln_2", "layer_norm2")):
                 out[f"{d}.{b}.weight"], out[f"{d}.{b}.bias"] = take(f"{s}.{a}.weight"), take(f"{s}.{a}.bias")
             for a, b in (("c_fc", "fc1"), ("c_proj", "fc2")):
-                out[f"{d}.mlp.{b}.weight"], out[f"{d}.mlp.{b}.bias"] = take(f"{s}.mlp.{a}.weight"), take(f"{s}.mlp.{a}.bias")
+                out[f"{d}.mlp.{b}.weight"] = take(f"{s}.mlp.{a}.weight")
+                out[f"{d}.mlp.{b}.bias"] = take(f"{s}.mlp.{a}.bias")
             n += 1
         return n
 
@@ -633,15 +640,17 @@ def resolve(kind: str, tag: str, path: str, cache_dir: str, tokenizer: str | Non
         if close:
             import warnings
 
-            warnings.warn(f"backbone.tag {tag!r} is not a zoo tag, so {p} loads as it is, with no architecture check and its "
-                          f"own preprocessor config; did you mean {' or '.join(close)}?", stacklevel=2)
-        return p, {"tag": tag, "format": "hf", "source": str(p), "sha256": cached_sha256(p, cache), "loaded_from": str(p)}
+            warnings.warn(f"backbone.tag {tag!r} is not a zoo tag, so {p} loads as it is, with no architecture check "
+                          f"and its own preprocessor config; did you mean {' or '.join(close)}?", stacklevel=2)
+        return p, {"tag": tag, "format": "hf", "source": str(p), "sha256": cached_sha256(p, cache),
+                   "loaded_from": str(p)}
     e = ZOO[tag]
     if e.kind != kind:
         raise BackboneError(f"backbone.tag {tag!r} is a {e.kind} backbone but backbone.kind is {kind}")
     if _hf_dir(p):
         _check_hf_arch(e, p)
-        return p, {"tag": tag, "format": "hf", "source": str(p), "sha256": cached_sha256(p, cache), "loaded_from": str(p)}
+        return p, {"tag": tag, "format": "hf", "source": str(p), "sha256": cached_sha256(p, cache),
+                   "loaded_from": str(p)}
     if e.format == "hf":
         raise BackboneError(f"backbone tag {tag!r} loads a transformers directory; {p} is not one")
     if not p.is_file():

@@ -8,6 +8,7 @@ sample, so the result does not depend on ``eval.batch_size``.
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 from typing import Any, Callable, Protocol
@@ -128,8 +129,8 @@ def evaluate_generation(method: Method, splits: list[Split], *, batch_size: int,
     are gathered to rank 0, which writes ``answers_dir/<task index>.jsonl`` (``answer_row``) sorted by key,
     so scores can be recomputed without the model. A corpus scorer (mcit.core.caption_metrics: CIDEr, MCITlib's
     caption average) scores the gathered answers once (rows carry ``score: null``; the task's number and
-    every metric go to ``<task index>.metrics.json``); its summed score is the corpus value x count. ``file_ids``: the task index of each split (default
-    its position)."""
+    every metric go to ``<task index>.metrics.json``); its summed score is the corpus value x count.
+    ``file_ids``: the task index of each split (default its position)."""
     import json
 
     from mcit.core import caption_metrics as C
@@ -163,14 +164,17 @@ def evaluate_generation(method: Method, splits: list[Split], *, batch_size: int,
         if corpus:  # rank 0 runs the metric; every rank gets its value
             value, table = dist.broadcast_object(C.score_rows(scorers[i], gathered) if dist.is_main() else None)
             if answers_dir is not None:
-                dist.on_main(lambda: atomic_write_text(answers_dir / f"{name}.metrics.json", json.dumps(
-                    {"scorer": scorers[i], "score": value, "metrics": table, "samples": len(gathered)}, indent=1)))
+                summary = {"scorer": scorers[i], "score": value, "metrics": table, "samples": len(gathered)}
+                dist.on_main(functools.partial(atomic_write_text, answers_dir / f"{name}.metrics.json",
+                                               json.dumps(summary, indent=1)))  # small: built on every rank
             total = value * len(gathered)
         else:
             total = float(sum(r["score"] for r in gathered))
         if answers_dir is not None:
-            dist.on_main(lambda: atomic_write_text(answers_dir / f"{name}.jsonl",
-                                                   "".join(json.dumps(r) + "\n" for r in gathered)))
+            def write_answers(path: Path = answers_dir / f"{name}.jsonl", rows: list[dict] = gathered) -> None:
+                atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))  # rank 0 alone serialises
+
+            dist.on_main(write_answers)
         out.append((float(total), len(gathered)))
     if bar is not None:
         bar.close()

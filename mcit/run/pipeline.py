@@ -128,7 +128,11 @@ class Pipeline:
     def stage_subspace(self, t: int, phase: str = "") -> None:
         """Stream the task's statistics on every rank, sum over ranks, finalize on rank 0, broadcast."""
         key = f"{t}/subspace" + (f".{phase}" if phase else "")
-        self.host.subspace(t, phase, lambda method: self._stream(self.plan.train[t], self.host.collate(t, train=True, augment=False), t))
+
+        def stream(method: Any) -> None:
+            return self._stream(self.plan.train[t], self.host.collate(t, train=True, augment=False), t)
+
+        self.host.subspace(t, phase, stream)
         self._mark(key, method_state=self._save_current(key))
 
     def stage_eval(self, t: int) -> None:
@@ -189,7 +193,8 @@ class Pipeline:
                 if _is_collective_failure(e):
                     raise CollectiveError(f"stage {key}: a collective did not complete on rank {dist.rank()} "
                                           f"({str(e).strip().splitlines()[0][:300]}); another rank died or hangs "
-                                          f"(train.collective_timeout_s={self.cfg.train.collective_timeout_s:g})") from None
+                                          f"(train.collective_timeout_s={self.cfg.train.collective_timeout_s:g})"
+                                          ) from None
                 raise
             if stage == "commit" and dist.is_main():
                 acc, _, _ = rows(self.plan, int(t) + 1)

@@ -80,8 +80,10 @@ def preflight(cfg: RunConfig, base: Path | None = None, *, run_dir: Path | None 
         name = getattr(cfg.data, key)
         if name not in PRESETS:
             raise ConfigError(f"data.{key}: unknown preset {name!r} (have: {', '.join(PRESETS)})")
-        if name != BACKBONE and "transform" not in inspect.signature(backbone_class(cfg.backbone.kind).make_collate).parameters:
-            raise ConfigError(f"data.{key}: backbone kind {cfg.backbone.kind} takes no augmentation preset (it preprocesses "
+        takes = inspect.signature(backbone_class(cfg.backbone.kind).make_collate).parameters
+        if name != BACKBONE and "transform" not in takes:
+            raise ConfigError(f"data.{key}: backbone kind {cfg.backbone.kind} takes no augmentation preset (it "
+                              f"preprocesses "
                               f"images itself): leave it at {BACKBONE}")
     check_deepspeed_config(cfg)
     bb = cfg.backbone
@@ -125,7 +127,8 @@ def preflight(cfg: RunConfig, base: Path | None = None, *, run_dir: Path | None 
     for s, tr, te in zip(specs, train, test):
         extra = set(te.label_space) - set(tr.label_space)
         if extra:
-            raise ConfigError(f"data.tasks: task {s.name!r}: test labels {sorted(extra)} do not occur in its train split")
+            raise ConfigError(f"data.tasks: task {s.name!r}: test labels {sorted(extra)} do not occur in its train "
+                              f"split")
     names = stage_names = [s.name for s in specs]
     class_names = {int(k): v for tr in train for k, v in (tr.manifest.get("class_names") or {}).items()}
     if cfg.data.validation:  # model selection: evaluate on a part of the training data, train on the rest
@@ -158,9 +161,9 @@ def image_pipeline(cfg: RunConfig, backbone: ResolvedBackbone) -> tuple[Any, Any
     train = normalization(cfg.data.train_transform, pre)
     evaluate = normalization(cfg.data.eval_transform, pre)
     if train != evaluate:
-        raise ConfigError(f"data.eval_transform: preset {cfg.data.eval_transform!r} normalises with mean/std {evaluate}, "
-                          f"but data.train_transform {cfg.data.train_transform!r} with {train}: the backbone must see one "
-                          f"normalisation")
+        raise ConfigError(f"data.eval_transform: preset {cfg.data.eval_transform!r} normalises with mean/std "
+                          f"{evaluate}, but data.train_transform {cfg.data.train_transform!r} with {train}: the "
+                          f"backbone must see one normalisation")
     return pre, train
 
 

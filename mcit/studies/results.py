@@ -123,7 +123,8 @@ def write_tables(spec: SweepSpec, agg: dict[str, Any]) -> list[Path]:
     pw = csv.writer(pbuf)
     pw.writerow(["point", "config", "setting", "seed", "order", "status"] + METRICS)
     for r in agg["points"]:
-        pw.writerow([r["point"], r["config"], r["setting"], r["seed"], r["order"], r["status"]] + [r[k] for k in METRICS])
+        pw.writerow([r["point"], r["config"], r["setting"], r["seed"], r["order"], r["status"]]
+                    + [r[k] for k in METRICS])
     files = {"aggregate.json": json.dumps(agg, indent=1), "aggregate.csv": buf.getvalue(),
              "aggregate.md": markdown(agg), "points.csv": pbuf.getvalue()}
     for name, text in files.items():
@@ -164,7 +165,8 @@ def figures(spec: SweepSpec, agg: dict[str, Any]) -> list[Path]:
             label = g["config"] + (f" ({setting_label(rest)})" if rest else "")
             lines.setdefault(label, []).append((float(g["setting"][key]), g["metrics"]))
         fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
-        for ax, metric, title in zip(axes, ("final_avg_acc", "forgetting"), ("final average accuracy (%)", "forgetting (%)")):
+        titles = ("final average accuracy (%)", "forgetting (%)")
+        for ax, metric, title in zip(axes, ("final_avg_acc", "forgetting"), titles):
             for label, pts in lines.items():
                 pts.sort(key=lambda x: x[0])
                 xs = [x for x, _ in pts]

@@ -128,7 +128,8 @@ def parse_orders(tokens: list[str]) -> list[int | list[int]]:
             else:
                 out.append(int(tok))
         except ValueError:
-            raise ConfigError(f"--orders: {tok!r} is not an order id, a range a-b or a comma-separated permutation") from None
+            raise ConfigError(f"--orders: {tok!r} is not an order id, a range a-b or a comma-separated "
+                              f"permutation") from None
     return out
 
 

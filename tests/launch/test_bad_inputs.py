@@ -111,7 +111,8 @@ def build_case(case: str, assets, work: Path, cfg: Path, done: Path, open_dir: P
     if case == "empty_tasks":
         return run(["data.tasks=[]"], "data.tasks: the task sequence is empty")
     if case == "unknown_task":
-        return run(["data.tasks=[task0,task9]"], "data.tasks: no task 'task9' under data.root", also=["task0, task1, task2"])
+        return run(["data.tasks=[task0,task9]"], "data.tasks: no task 'task9' under data.root",
+                   also=["task0, task1, task2"])
     if case == "backbone_kind":
         return run(["backbone.kind=resnet"], "backbone.kind: unknown backbone 'resnet'")
     if case == "duplicate_key":
@@ -153,7 +154,8 @@ def build_case(case: str, assets, work: Path, cfg: Path, done: Path, open_dir: P
     # -- run directories -----------------------------------------------------------------------------------
     if case == "run_dir_is_a_file":
         f = _text_file(work, "a_file", "not a run")
-        return Bad("run_task_sequence", ["--config", str(cfg), f"run_dir={f}"], f"run_dir {f} exists and is not a directory")
+        return Bad("run_task_sequence", ["--config", str(cfg), f"run_dir={f}"],
+                   f"run_dir {f} exists and is not a directory")
     if case == "run_dir_under_a_file":
         f = _text_file(work, "a_file2", "not a run")
         return Bad("run_task_sequence", ["--config", str(cfg), f"run_dir={f / 'sub'}"], str(f))
@@ -212,7 +214,8 @@ def build_case(case: str, assets, work: Path, cfg: Path, done: Path, open_dir: P
         m.write_text(json.dumps(d))
         return run(data, str(m), also=["num_samples"])
     if case == "missing_data_root":
-        return run([f"data.root={work / 'no_such_shards'}"], f"data.root: directory not found: {work / 'no_such_shards'}")
+        return run([f"data.root={work / 'no_such_shards'}"],
+                   f"data.root: directory not found: {work / 'no_such_shards'}")
     if case == "corrupted_shard_same_size":  # only reading finds it: a fresh run, launched
         f = shards / "task0" / "train" / "shard-000000.tar"
         b = bytearray(f.read_bytes())
@@ -229,7 +232,8 @@ def build_case(case: str, assets, work: Path, cfg: Path, done: Path, open_dir: P
     shutil.rmtree(backbone, ignore_errors=True)
     shutil.copytree(assets["backbone"], backbone)
     if case == "missing_backbone":
-        return run([f"backbone.path={work / 'no_such_backbone'}"], f"backbone path not found: {work / 'no_such_backbone'}")
+        return run([f"backbone.path={work / 'no_such_backbone'}"],
+                   f"backbone path not found: {work / 'no_such_backbone'}")
     if case == "backbone_without_config":
         (backbone / "config.json").unlink()
         return run([f"backbone.path={backbone}"], str(backbone))

@@ -30,7 +30,8 @@ def test_the_console_shows_the_run_and_the_libraries_talk_to_the_rank_logs(z3_ru
     `make demo` silences those with --log_level=error); they are in logs/rank<r>.log."""
     lines = [ln for ln in (z3_run / "console.txt").read_text().replace("\r", "\n").splitlines() if ln.strip()]
     ours = [ln for ln in lines if not re.match(r"\[[-0-9: ,]+\] \[(INFO|WARNING)\] \[(launch|runner)\.py", ln)]
-    noisy = [ln for ln in ours if re.search(r"Warning|warn\(|built successfully|Failed to load|Loading weights|^\s+\w+\(", ln)]
+    noisy = [ln for ln in ours
+             if re.search(r"Warning|warn\(|built successfully|Failed to load|Loading weights|^\s+\w+\(", ln)]
     assert not noisy, noisy
     assert any("task 1 (count) committed" in ln for ln in ours)
     logs = {r: (z3_run / "runs" / "z3" / "logs" / f"rank{r}.log").read_text() for r in (0, 1)}
@@ -73,7 +74,8 @@ def test_killed_mcit_run_resumes_to_identical_answers(mcit_assets, z3_run):
     assert r.returncode != 0
     killed = z3_run / "runs" / "killed"
     state = json.loads((killed / "state.json").read_text())
-    assert "reference" in state["completed"] and "0/commit" in state["completed"] and "1/train" not in state["completed"]
+    assert ("reference" in state["completed"] and "0/commit" in state["completed"]
+            and "1/train" not in state["completed"])
     assert json.loads((killed / "checkpoints/task_1/steps/committed.json").read_text())["global_step"] == 2
     r = launch(["--config", str(cfg)], launcher="deepspeed", nproc=2)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -98,8 +100,8 @@ def test_lora_family_rebuilt_between_tasks_trains_from_its_loaded_state(mcit_ass
                                                        "stage3_param_persistence_threshold": 0},
                                  "zero_allow_untested_optimizer": True}))
     cmd = [launcher_cmd("torchrun", 2), "--nproc_per_node", "2", "--master_port", str(free_port()),
-           str(ROOT / "tests" / "launch" / "workers" / "lora_rebuild.py"), str(mcit_assets["backbone"]), str(mcit_assets["shards"]),
-           str(out), "deepspeed_configs/zero2.json", str(zero3)]
+           str(ROOT / "tests" / "launch" / "workers" / "lora_rebuild.py"), str(mcit_assets["backbone"]),
+           str(mcit_assets["shards"]), str(out), "deepspeed_configs/zero2.json", str(zero3)]
     r = subprocess.run(cmd, cwd=ROOT, env=run_env(), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())

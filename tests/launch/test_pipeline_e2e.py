@@ -124,8 +124,8 @@ def test_loader_workers_and_remote_shards_change_no_batch_and_no_number(assets, 
     assert got["acc_matrix"] == ref["acc_matrix"]
 
     def losses(d: Path) -> list:
-        return [(r["task"], r["step"], r["loss"]) for r in map(json.loads, (d / "logs" / "train.jsonl").read_text().splitlines())
-                if "loss" in r]
+        return [(r["task"], r["step"], r["loss"])
+                for r in map(json.loads, (d / "logs" / "train.jsonl").read_text().splitlines()) if "loss" in r]
 
     assert losses(work / "runs" / "inline") == losses(ref_dir) and len(losses(ref_dir)) > 10
 

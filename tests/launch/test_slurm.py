@@ -181,7 +181,8 @@ def test_sweep_runs_as_a_job_array_and_resubmits_only_unfinished_points(slurm, a
 
     tmp = tmp_path_factory.mktemp("slurm_sweep")
     spec = sweep_spec(assets, tmp, configs=[str(tmp / "l2p.yaml")])
-    cmd = [sys.executable, "-m", "pipelines.sweep", "--spec", str(spec), "--launch", "slurm", "--throttle", "2", "--wait"]
+    cmd = [sys.executable, "-m", "pipelines.sweep", "--spec", str(spec), "--launch", "slurm", "--throttle", "2",
+           "--wait"]
     # each array task starts its point with torchrun (the scripts' other launcher; the deepspeed one is
     # covered above and by the local sweep): one interpreter fewer per point on these 2 cores
     env = {**slurm["env"], "MCIT_GPUS_PER_NODE": "1", "MCIT_LAUNCHER": "torchrun"}

@@ -49,7 +49,8 @@ def test_moelora_routes_and_trains_as_coin():
     lm = T.llama_lm()
     cls = METHODS.get("moelora")
     seq = TaskSequence.from_label_spaces(["a", "b"], [[], []])
-    m = cls(cls.Params(r=ref["r"], alpha=ref["alpha"], experts=ref["experts"], dropout=0.0), T.LanguageModelHolder(lm), seq)
+    m = cls(cls.Params(r=ref["r"], alpha=ref["alpha"], experts=ref["experts"], dropout=0.0), T.LanguageModelHolder(lm),
+            seq)
     assert len(m.adapters) * 5 == len(ref["init"])  # router + 2 experts' A and B on every linear layer of the LLM
     for key, value in ref["init"].items():
         _set(m, key, value)
@@ -61,7 +62,8 @@ def test_moelora_routes_and_trains_as_coin():
         with torch.no_grad():
             q0 = m.adapters["layers__0__self_attn__q_proj"]["A"]
             T.assert_close(torch.softmax(x @ q0.router.T, -1), rec["router_q0"], f"task {t}: router weights")
-            T.assert_close(lm(inputs_embeds=x).last_hidden_state, rec["out_before"], f"task {t}: output before training")
+            T.assert_close(lm(inputs_embeds=x).last_hidden_state, rec["out_before"],
+                           f"task {t}: output before training")
         opt = torch.optim.SGD(m.trainable_parameters(), lr=ref["lr"])
         for s, want in enumerate(rec["losses"]):
             opt.zero_grad()
@@ -72,4 +74,5 @@ def test_moelora_routes_and_trains_as_coin():
         for key, value in rec["trained"].items():
             T.assert_close(_get(m, key), value, f"task {t}: trained {key}")
         with torch.no_grad():
-            T.assert_close(lm(inputs_embeds=first_x).last_hidden_state, rec["out_after"], f"task {t}: output after training")
+            T.assert_close(lm(inputs_embeds=first_x).last_hidden_state, rec["out_after"],
+                           f"task {t}: output after training")

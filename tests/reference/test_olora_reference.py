@@ -37,14 +37,16 @@ def test_olora_trains_merges_and_regularises_as_the_official_code():
             for key, value in rec["loranew_init"].items():
                 _block(m, key).blocks[t].copy_(torch.tensor(value))
         with torch.no_grad():
-            T.assert_close(lm(inputs_embeds=x).last_hidden_state, rec["out_before"], f"task {t}: output before training")
+            T.assert_close(lm(inputs_embeds=x).last_hidden_state, rec["out_before"],
+                           f"task {t}: output before training")
         opt = torch.optim.SGD(m.trainable_parameters(), lr=ref["lr"])
         for s, want in enumerate(rec["losses"]):
             opt.zero_grad()
             task = torch.nn.functional.mse_loss(lm(inputs_embeds=x).last_hidden_state, y)
             terms = m.loss(None, {"lm_loss": task.reshape(1)})
             total = terms.per_sample.mean() + terms.regularizer
-            T.assert_close(torch.tensor(terms.logs["orthogonal_loss"]), want["orthogonal"], f"task {t} step {s}: orthogonal loss")
+            T.assert_close(torch.tensor(terms.logs["orthogonal_loss"]), want["orthogonal"],
+                           f"task {t} step {s}: orthogonal loss")
             T.assert_close(torch.tensor(terms.logs["l2_loss"]), want["l2"], f"task {t} step {s}: l2 loss")
             T.assert_close(total, want["total"], f"task {t} step {s}: total loss")
             total.backward()

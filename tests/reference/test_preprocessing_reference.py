@@ -191,8 +191,10 @@ def test_a_tag_s_own_pipeline_is_its_release_s(tag):
     assert _same_steps(compose.describe(), ref["steps"]), (compose.describe(), ref["steps"])
     assert X.build(X.BACKBONE, train=True, size=pre.size, backbone=pre) == compose  # no augmentation either
     norm = X.normalization(X.BACKBONE, pre)
-    assert np.allclose(norm[0], ref["normalize"]["mean"], atol=1e-7) and np.allclose(norm[1], ref["normalize"]["std"], atol=1e-7)
-    bad = {name: diff for name, img in images().items() if (diff := _cmp_record(*_ours(compose, img, norm), ref["images"][name]))}
+    assert (np.allclose(norm[0], ref["normalize"]["mean"], atol=1e-7)
+            and np.allclose(norm[1], ref["normalize"]["std"], atol=1e-7))
+    bad = {name: diff for name, img in images().items()
+           if (diff := _cmp_record(*_ours(compose, img, norm), ref["images"][name]))}
     assert not bad, bad
 
 

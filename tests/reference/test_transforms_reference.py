@@ -50,7 +50,8 @@ def test_preset_outputs_equal_torchvision_byte_for_byte(preset):
         out = X.build(preset, train=c["train"], size=REF["size"])(ims[c["image"]], g)
         if _sha(out) != c["sha256"] or list(out.size) != c["size"]:
             bad.append((c["train"], c["image"], c["seed"], list(out.size), c["size"]))
-    assert not bad, f"{preset}: {len(bad)} of {len(cases)} differ from torchvision (train, image, seed, ours, theirs): {bad[:5]}"
+    assert not bad, (f"{preset}: {len(bad)} of {len(cases)} differ from torchvision "
+                     f"(train, image, seed, ours, theirs): {bad[:5]}")
 
 
 def test_every_autoaugment_op_equals_torchvision_at_its_bins_and_signs():

@@ -13,7 +13,8 @@ from mcit.data.types import Batch
 
 CASES = {  # official numbers -> (backbone, method params: the official CLIP runs' prompt blocks, temperature, eta)
     "vpt_nsp2": (T.vit, {}),
-    "vpt_nsp2_clip": (T.clip, {"layers": [0, 1, 2, 3], "temperature": 1.0, "eta1": 0.98, "eta2": 0.98, "refine_head": False}),
+    "vpt_nsp2_clip": (T.clip, {"layers": [0, 1, 2, 3], "temperature": 1.0, "eta1": 0.98, "eta2": 0.98,
+                               "refine_head": False}),
 }
 
 

@@ -90,7 +90,8 @@ def _word_tokenizer():
     vocab = {"<bos>": 62, "<eos>": 63, "<unk>": 2, "X": 3, ".": 4, **{str(i): 5 + i for i in range(10)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
-    tok.post_processor = processors.TemplateProcessing(single="<bos> $A <eos>", special_tokens=[("<bos>", 62), ("<eos>", 63)])
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A <eos>",
+                                                       special_tokens=[("<bos>", 62), ("<eos>", 63)])
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<eos>",
                                    unk_token="<unk>")
 

@@ -193,14 +193,15 @@ def test_the_private_name_rule_catches_both_forms():
 def _hook_calls() -> dict[str, set[str]]:
     """Attributes the pipeline, the lifecycle driver, the engine, the subspace protocol and the evaluator
     use on a method object (a variable or attribute named ``method``, or DeepSpeed's ``engine.module``)."""
-    files = ["mcit/run/pipeline.py", "mcit/run/lifecycle.py", "mcit/run/engine.py", "mcit/run/subspace_stage.py", "mcit/run/evaluation.py",
-             "mcit/run/evaluate_only.py"]
+    files = ["mcit/run/pipeline.py", "mcit/run/lifecycle.py", "mcit/run/engine.py", "mcit/run/subspace_stage.py",
+             "mcit/run/evaluation.py", "mcit/run/evaluate_only.py"]
     out: dict[str, set[str]] = {}
     for rel in files:
         for node in ast.walk(ast.parse((ROOT / rel).read_text())):
             if isinstance(node, ast.Attribute):
                 v = node.value
-                of_config = isinstance(v, ast.Attribute) and "cfg" in ast.unparse(v.value)  # cfg.method: the config section
+                # cfg.method: the config section
+                of_config = isinstance(v, ast.Attribute) and "cfg" in ast.unparse(v.value)
                 if (isinstance(v, ast.Name) and v.id == "method") or \
                         (isinstance(v, ast.Attribute) and v.attr in ("method", "module") and not of_config):
                     out.setdefault(node.attr, set()).add(rel)
@@ -268,7 +269,8 @@ def test_the_design_document_covers_the_plan_and_the_code_points_to_it():
     for f in sorted((ROOT / "mcit").rglob("*.py")):
         rel = f.relative_to(ROOT)
         if f.name != "__init__.py" and rel.parts[1] in ("core", "run", "studies", "cli"):
-            assert f"`{rel.parent}/`" in text and f"`{f.name}`" in text, f"{rel} is not described in docs/architecture.md"
+            assert f"`{rel.parent}/`" in text and f"`{f.name}`" in text, (
+                f"{rel} is not described in docs/architecture.md")
     stale = [str(f.relative_to(ROOT)) for d in ("mcit", "pipelines", "data_prep") for f in (ROOT / d).rglob("*.py")
              if "DESIGN.md" in f.read_text()]
     assert stale == []
@@ -280,7 +282,8 @@ def test_sources_compile_without_warnings():
     import warnings
 
     bad = []
-    for path in sorted(p for d in ("mcit", "pipelines", "data_prep", "bench", "tests") for p in (ROOT / d).rglob("*.py")):
+    for path in sorted(p for d in ("mcit", "pipelines", "data_prep", "bench", "tests")
+                       for p in (ROOT / d).rglob("*.py")):
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             try:

@@ -108,7 +108,8 @@ def expand(ids: list[int], labels: list[int], image_index: int, n: int) -> tuple
 def sample(key: str, conversations: list[dict], image: bool = True) -> dict:
     from PIL import Image
 
-    s = {"__key__": key, "json": json.dumps({"conversations": conversations, **({} if image else {"text_only": True})}).encode()}
+    s = {"__key__": key,
+         "json": json.dumps({"conversations": conversations, **({} if image else {"text_only": True})}).encode()}
     if image:
         buf = io.BytesIO()
         Image.new("RGB", (16, 16), (200, 30, 30)).save(buf, format="PNG")
@@ -176,7 +177,8 @@ QWEN2_VL_TEMPLATE = (  # Qwen/Qwen2-VL-7B-Instruct chat_template.json (images on
     "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}<|im_start|>system\n"
     "You are a helpful assistant.<|im_end|>\n{% endif %}<|im_start|>{{ message['role'] }}\n"
     "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n{% else %}"
-    "{% for content in message['content'] %}{% if content['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% for content in message['content'] %}{% if content['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
     "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 

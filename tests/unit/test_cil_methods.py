@@ -36,7 +36,8 @@ CLIP_ONLY = {"clip_zero_shot", "star_prompt"}  # need the tiny CLIP: covered by 
 def _cil_methods() -> list[str]:
     """The shipped CIL methods (tests elsewhere register their own helpers in the same registry)."""
     return [n for n in METHODS.names()
-            if METHODS.get(n).__module__.startswith("mcit.methods.") and not issubclass(METHODS.get(n), InstructionMethod)]
+            if METHODS.get(n).__module__.startswith("mcit.methods.")
+            and not issubclass(METHODS.get(n), InstructionMethod)]
 
 
 def test_every_cil_method_is_covered():
@@ -147,7 +148,7 @@ def _train_sequence(method, data, epochs: int = 4, lr: float = 0.01):
     """Adam over the method's parameters, the method's projection applied to every update (as the
     engine does), the subspace stage after each task. Returns per task: task-0 test features, loss."""
     seen = []
-    for t, (xtr, ytr, xte, yte) in enumerate(data):
+    for t, (xtr, ytr, _xte, _yte) in enumerate(data):
         method.before_task(t)
         method.set_task(t)
         method.train()
@@ -450,8 +451,10 @@ def test_ablation_switches_vpt_nsp2_conditions_and_norga_gate(backbone, sequence
         projections[tuple(flags)] = (m.proj1[0].clone(), m.proj2[0].clone())
     eye1, eye2 = torch.eye(projections[()][0].shape[0]), torch.eye(projections[()][1].shape[0])
     assert not torch.allclose(projections[()][0], eye1) and not torch.allclose(projections[()][1], eye2)
-    assert torch.equal(projections[("project_qk",)][0], eye1) and torch.equal(projections[("project_qk",)][1], projections[()][1])
-    assert torch.equal(projections[("project_sp",)][1], eye2) and torch.equal(projections[("project_sp",)][0], projections[()][0])
+    assert (torch.equal(projections[("project_qk",)][0], eye1)
+            and torch.equal(projections[("project_qk",)][1], projections[()][1]))
+    assert (torch.equal(projections[("project_sp",)][1], eye2)
+            and torch.equal(projections[("project_sp",)][0], projections[()][0]))
     torch.manual_seed(0)
     on = _build("norga", backbone, sequence)
     torch.manual_seed(0)

@@ -247,7 +247,8 @@ def test_star_prompt_names_a_missing_clip_before_loading(assets, tmp_path):
     from mcit.core.config import ConfigError, load_config
     from mcit.run.preflight import preflight
 
-    cfg = load_config(tiny_config(assets, tmp_path, method={"name": "star_prompt", "clip_path": str(tmp_path / "nope")}))
+    cfg = load_config(tiny_config(assets, tmp_path,
+                                  method={"name": "star_prompt", "clip_path": str(tmp_path / "nope")}))
     with pytest.raises(ConfigError, match=r"method.clip_path: .*nope"):
         preflight(cfg)
 

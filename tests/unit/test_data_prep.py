@@ -24,8 +24,8 @@ from mcit.data.shards import DataError, open_split
 
 def test_cifar100_converts_verifies_and_orders_reproducibly(tmp_path):
     raw = cifar_raw(tmp_path / "cifar-100-python")
-    r = convert("cifar100", "--raw", raw, "--out", tmp_path / "a", "--classes-per-task", 2, "--seed", 3, "--shard-size", 4,
-             "--workers", 2)
+    r = convert("cifar100", "--raw", raw, "--out", tmp_path / "a", "--classes-per-task", 2, "--seed", 3,
+                "--shard-size", 4, "--workers", 2)
     assert r.returncode == 0, r.stderr
     meta = json.loads((tmp_path / "a" / "benchmark.json").read_text())
     assert meta["class_order"] == [int(c) for c in np.random.RandomState(3).permutation(N_CLASSES)]
@@ -33,14 +33,16 @@ def test_cifar100_converts_verifies_and_orders_reproducibly(tmp_path):
     assert split.num_samples == 10 and split.label_space == sorted(meta["tasks"][0]["classes"])
     assert split.manifest["class_order"] == meta["class_order"] and split.manifest["skipped"] == 0
     assert convert("cifar100", "--verify", tmp_path / "a").returncode == 0
-    again = convert("cifar100", "--raw", raw, "--out", tmp_path / "b", "--classes-per-task", 2, "--seed", 3, "--shard-size", 4)
+    again = convert("cifar100", "--raw", raw, "--out", tmp_path / "b", "--classes-per-task", 2, "--seed", 3,
+                    "--shard-size", 4)
     assert again.returncode == 0
     for t in range(3):
         for s in ("train", "test"):
             a = json.loads((tmp_path / "a" / f"task{t}" / s / "manifest.json").read_text())
             b = json.loads((tmp_path / "b" / f"task{t}" / s / "manifest.json").read_text())
             assert [x["sha256"] for x in a["shards"]] == [x["sha256"] for x in b["shards"]]  # byte-identical
-    other = convert("cifar100", "--raw", raw, "--out", tmp_path / "c", "--classes-per-task", 2, "--seed", 4, "--shard-size", 4)
+    other = convert("cifar100", "--raw", raw, "--out", tmp_path / "c", "--classes-per-task", 2, "--seed", 4,
+                    "--shard-size", 4)
     assert other.returncode == 0, other.stderr
     assert json.loads((tmp_path / "c" / "benchmark.json").read_text())["class_order"] != meta["class_order"]
     # a corrupted shard is caught by --verify
@@ -92,7 +94,8 @@ def test_bad_cifar_inputs_name_the_record_and_file(tmp_path):
     r = convert("cifar100", "--raw", raw, "--out", tmp_path / "o1", "--classes-per-task", 2, "--seed", 0)
     assert r.returncode == 2 and "record 'train_3.png'" in r.stderr and "label 250" in r.stderr
     assert str(raw / "train") in r.stderr
-    r = convert("cifar100", "--raw", raw, "--out", tmp_path / "o2", "--classes-per-task", 2, "--seed", 0, "--on-error", "skip")
+    r = convert("cifar100", "--raw", raw, "--out", tmp_path / "o2", "--classes-per-task", 2, "--seed", 0,
+                "--on-error", "skip")
     assert r.returncode == 0, r.stderr
     assert json.loads((tmp_path / "o2" / "benchmark.json").read_text())["skipped_records"]["train"] == ["train_3.png"]
     assert json.loads((tmp_path / "o2" / "task0" / "train" / "manifest.json").read_text())["source_skipped"] == 1
@@ -158,7 +161,8 @@ def test_image_folder_benchmarks_convert_and_verify(tmp_path):
     r = convert("imagenet_r", "--raw", raw / "inr", "--out", tmp_path / "inr_lists", "--classes-per-task", 3,
                  "--train-list", raw / "train.txt", "--test-list", raw / "test.txt")
     assert r.returncode == 0, r.stderr
-    assert json.loads((tmp_path / "inr_lists" / "benchmark.json").read_text())["num_samples"] == {"train": 24, "test": 6}
+    assert (json.loads((tmp_path / "inr_lists" / "benchmark.json").read_text())["num_samples"]
+            == {"train": 24, "test": 6})
 
     lines = domainnet_raw(raw / "dn")
     r = convert("domainnet", "--raw", raw / "dn", "--train-list", raw / "dn" / "sdomain_train.txt", "--test-list",
@@ -190,7 +194,8 @@ def test_bad_image_folder_inputs_name_the_record_and_file(tmp_path):
     victim = next((cub / "images").glob("003.*/*_0001.jpg"))
     victim.write_bytes(b"not a jpeg at all")  # unreadable image
     r = convert("cub200", "--raw", raw / "cub", "--out", tmp_path / "o1", "--classes-per-task", 2)
-    assert r.returncode == 2 and "record '10'" in r.stderr and "unreadable image" in r.stderr and str(victim) in r.stderr
+    assert (r.returncode == 2 and "record '10'" in r.stderr and "unreadable image" in r.stderr
+            and str(victim) in r.stderr)
     r = convert("cub200", "--raw", raw / "cub", "--out", tmp_path / "o2", "--classes-per-task", 2, "--on-error", "skip")
     assert r.returncode == 0, r.stderr
     skipped = [json.loads(p.read_text())["skipped"] for p in (tmp_path / "o2").glob("*/*/manifest.json")]
@@ -254,8 +259,8 @@ def test_coin_test_split_is_the_file_its_evaluation_reads(tmp_path):
     tv = raw / "Instructions_Original" / "TextVQA"
     decoy = [dict(r, answer="decoy") for r in json.loads((tv / "val.json").read_text())]
     (tv / "test.json").write_text(json.dumps(decoy))
-    r = convert("coin", "--instructions", raw / "Instructions_Original", "--images", raw / "images", "--task", "textvqa",
-                "grounding", "--out", tmp_path / "coin")
+    r = convert("coin", "--instructions", raw / "Instructions_Original", "--images", raw / "images",
+                "--task", "textvqa", "grounding", "--out", tmp_path / "coin")
     assert r.returncode == 0, r.stderr
     test = open_split(tmp_path / "coin" / "textvqa" / "test")
     assert [decode_instruction(s)[1]["answer"] for s in iter_samples(test, 0, 1, policy="sample")] == \
@@ -275,8 +280,8 @@ def test_vizwiz_annotations_join_by_image(tmp_path):
     val = json.loads((viz / "val.json").read_text())
     q = val[0]["text"]
     ann = json.loads((raw / "vizwiz_val_annotations.json").read_text())
-    args = ["--instructions", raw / "Instructions_Original", "--images", raw / "images", "--task", "vizwiz", "--annotations",
-            f"vizwiz={raw / 'vizwiz_val_annotations.json'}"]
+    args = ["--instructions", raw / "Instructions_Original", "--images", raw / "images", "--task", "vizwiz",
+            "--annotations", f"vizwiz={raw / 'vizwiz_val_annotations.json'}"]
     r = convert("coin", *args, "--out", tmp_path / "o1")
     assert r.returncode == 0, r.stderr
     got = {d["question_id"]: d["answers"] for d in (decode_instruction(s)[1] for s in
@@ -440,7 +445,8 @@ def test_data_prep_names_the_missing_key_and_keeps_images_inside_their_folder(tm
     raw = cifar_raw(tmp_path / "cifar", test_without=b"fine_labels")
     r = convert("cifar100", "--raw", raw, "--out", tmp_path / "o1", "--classes-per-task", 3)
     lines = r.stderr.strip().splitlines()
-    assert r.returncode == 2 and len(lines) == 1 and f"{raw / 'test'}: unknown format (no 'fine_labels' entry)" in lines[0]
+    assert (r.returncode == 2 and len(lines) == 1
+            and f"{raw / 'test'}: unknown format (no 'fine_labels' entry)" in lines[0])
     raw2 = cifar_raw(tmp_path / "cifar2")
     with open(raw2 / "meta", "wb") as f:
         pickle.dump({b"fine_label_names": b"apple"}, f)
@@ -460,7 +466,9 @@ def test_data_prep_names_the_missing_key_and_keeps_images_inside_their_folder(tm
         (tmp_path / "x.json").write_text(json.dumps(recs))
         out = tmp_path / "o3"
         r = convert("llava_json", "--json", tmp_path / "x.json", "--images", images, "--out", out)
-        assert r.returncode == 2 and "'evil'" in r.stderr and f"image path {bad!r} leads outside --images" in r.stderr, r.stderr
+        assert (r.returncode == 2 and "'evil'" in r.stderr
+                and f"image path {bad!r} leads outside --images" in r.stderr), r.stderr
         assert not out.exists()
     (tmp_path / "x.json").write_text(json.dumps(recs[:1]))
-    assert convert("llava_json", "--json", tmp_path / "x.json", "--images", images, "--out", tmp_path / "o4").returncode == 0
+    assert convert("llava_json", "--json", tmp_path / "x.json", "--images", images,
+                   "--out", tmp_path / "o4").returncode == 0

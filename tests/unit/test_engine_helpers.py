@@ -84,7 +84,8 @@ def test_the_deepspeed_config_takes_batch_precision_and_clipping_from_the_run(tm
     value passes; train_batch_size must be the run's per-rank batch x the ranks."""
     from mcit.run.engine import build_ds_config
 
-    ds = {"zero_optimization": {"stage": 2}, "optimizer": {"type": "Adam", "params": {"lr": "auto", "betas": [0.9, 0.99]}},
+    ds = {"zero_optimization": {"stage": 2},
+          "optimizer": {"type": "Adam", "params": {"lr": "auto", "betas": [0.9, 0.99]}},
           "gradient_accumulation_steps": "auto", "train_micro_batch_size_per_gpu": 4}
     got = build_ds_config(_ds_run(tmp_path, ds, "train.precision=bf16", "train.lr=0.25"), 3)
     assert {k: got[k] for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",

@@ -120,7 +120,8 @@ def resnet_dir(tmp_path_factory) -> Path:
 
     torch.manual_seed(0)
     out = tmp_path_factory.mktemp("resnet") / "resnet"
-    ResNetModel(ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic")).save_pretrained(out)
+    ResNetModel(ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
+                             layer_type="basic")).save_pretrained(out)
     return out
 
 
@@ -141,7 +142,8 @@ def test_a_backbone_and_a_method_from_a_test_module_run_through_the_pipeline(ass
     dist.init()
     CALLS.clear()
     # tiny_config asks for l2p's augmentation, which this backbone's make_collate does not take
-    with pytest.raises(ConfigError, match="data.train_transform: backbone kind test_resnet takes no augmentation preset"):
+    with pytest.raises(ConfigError,
+                       match="data.train_transform: backbone kind test_resnet takes no augmentation preset"):
         preflight(load_config(path))
     plan = preflight(load_config(path, ["data.train_transform=backbone", "data.eval_transform=backbone"]))
     assert plan.backbone.record["tag"] == "resnet_toy" and len(plan.backbone.record["sha256"]) == 64

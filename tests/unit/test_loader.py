@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -93,7 +94,8 @@ def test_a_sample_s_augmentation_depends_on_the_seed_and_its_key_only(split):
 def test_eval_batches_are_identical_for_0_and_2_workers(split):
     ev = _collate(split, "l2p", train=False)
     a = list(eval_batches(split, rank=0, world=2, batch_size=5, policy="shard", collate=ev))
-    b = list(eval_batches(split, rank=0, world=2, batch_size=5, policy="shard", collate=ev, loader=LoaderOptions(num_workers=2)))
+    b = list(eval_batches(split, rank=0, world=2, batch_size=5, policy="shard", collate=ev,
+                          loader=LoaderOptions(num_workers=2)))
     assert sum(len(x) for x in a) > 5 and _same(a, b)
 
 
@@ -138,7 +140,8 @@ def test_a_stuck_worker_stops_the_stream_with_one_line_naming_the_split(split, s
         if stream == "train":
             collate = _StuckInWorker(_collate(split), "p0020")
             batches = train_batches(split, rank=0, world=1, batch_size=4, num_steps=12, skip_steps=0, seed=0,
-                                    policy="sample", shuffle_buffer=1, collate=collate, aug_seed=11, loader=LoaderOptions(num_workers=2, worker_timeout_s=2))
+                                    policy="sample", shuffle_buffer=1, collate=collate, aug_seed=11,
+                                    loader=LoaderOptions(num_workers=2, worker_timeout_s=2))
         else:
             collate = _StuckInWorker(_collate(split, "backbone", False), "p0020")
             batches = eval_batches(split, rank=0, world=1, batch_size=4, policy="sample", collate=collate,
@@ -214,7 +217,11 @@ def test_workers_persist_across_streams_and_take_each_streams_own_collate(split)
 
     shutdown_workers()
     a, b = _Tagged(_collate(split, "backbone", False), "a"), _Tagged(_collate(split, "l2p", True), "b")
-    ev = lambda c, w: list(eval_batches(split, rank=0, world=1, batch_size=4, policy="sample", collate=c, loader=LoaderOptions(num_workers=w)))
+
+    def ev(c: Any, w: int) -> list:
+        return list(eval_batches(split, rank=0, world=1, batch_size=4, policy="sample", collate=c,
+                                 loader=LoaderOptions(num_workers=w)))
+
     keys, tags, pids = _parts(ev(a, 2))
     assert len(keys) == 45 and set(tags) == {"a"} and len(pids - {str(os.getpid())}) == 2  # two workers did most
     workers = pids - {str(os.getpid())}
@@ -223,17 +230,20 @@ def test_workers_persist_across_streams_and_take_each_streams_own_collate(split)
     tkeys, ttags, tpids = _parts(tr)
     assert set(ttags) == {"b"} and tpids - {str(os.getpid())} == workers  # the same workers, the new collate
     inline = list(train_batches(split, rank=0, world=1, batch_size=4, num_steps=12, skip_steps=0, seed=3,
-                                policy="sample", shuffle_buffer=5, collate=b, aug_seed=11, loader=LoaderOptions(num_workers=0)))
+                                policy="sample", shuffle_buffer=5, collate=b, aug_seed=11,
+                                loader=LoaderOptions(num_workers=0)))
     assert all(torch.equal(x.pixel_values, y.pixel_values) for x, y in zip(tr, inline)) and len(tr) == len(inline)
     c = _Tagged(_collate(split, "backbone", False), "c")
-    stream = iter(eval_batches(split, rank=0, world=1, batch_size=4, policy="sample", collate=c, loader=LoaderOptions(num_workers=2)))
+    stream = iter(eval_batches(split, rank=0, world=1, batch_size=4, policy="sample", collate=c,
+                               loader=LoaderOptions(num_workers=2)))
     next(stream), next(stream)
     del stream  # abandoned with batches still in the workers: the next stream must not receive them
     keys, tags, pids = _parts(ev(a, 2))
     assert keys == _parts(ev(a, 0))[0] and set(tags) == {"a"} and pids - {str(os.getpid())} == workers
     from mcit.data.loader import eval_parts
 
-    row = list(eval_parts([split, split], [a, c], rank=0, world=1, batch_size=4, policy="sample", loader=LoaderOptions(num_workers=2)))
+    row = list(eval_parts([split, split], [a, c], rank=0, world=1, batch_size=4, policy="sample",
+                          loader=LoaderOptions(num_workers=2)))
     assert [(i, t) for i, batch in row for t in _parts([batch])[1]] == [(0, "a")] * 45 + [(1, "c")] * 45
 
 
@@ -248,7 +258,8 @@ def test_a_collate_that_cannot_travel_gets_workers_of_its_own(split):
     inner = _collate(split, "backbone", False)
     closure = lambda samples, seed=None: inner(samples, seed)  # noqa: E731
     want = list(eval_batches(split, rank=0, world=1, batch_size=4, policy="sample", collate=inner))
-    got = list(eval_batches(split, rank=0, world=1, batch_size=4, policy="sample", collate=closure, loader=LoaderOptions(num_workers=2)))
+    got = list(eval_batches(split, rank=0, world=1, batch_size=4, policy="sample", collate=closure,
+                            loader=LoaderOptions(num_workers=2)))
     assert _same(got, want)
     pool = WorkerPool(1, False, 600.0)
     model = torch.nn.Linear(4, 4)
@@ -256,8 +267,10 @@ def test_a_collate_that_cannot_travel_gets_workers_of_its_own(split):
     assert pool.register([closure]) is None and pool.register([_Tagged(inner, model)]) is None
     assert pool.register([heavy]) is None and pool.register([_Tagged(inner, torch.zeros(1 << 21))]) is None
     keys = pool.register([inner, _Tagged(inner, "x"), inner])
-    assert keys is not None and keys[0] == keys[2] != keys[1] and sorted(os.listdir(pool.directory)) == sorted(set(keys))
-    outer = eval_batches(split, rank=0, world=1, batch_size=4, policy="sample", collate=_Tagged(inner, "o"), loader=LoaderOptions(num_workers=2))
+    assert (keys is not None and keys[0] == keys[2] != keys[1]
+            and sorted(os.listdir(pool.directory)) == sorted(set(keys)))
+    outer = eval_batches(split, rank=0, world=1, batch_size=4, policy="sample", collate=_Tagged(inner, "o"),
+                         loader=LoaderOptions(num_workers=2))
     first = [next(outer)]
     nested = list(eval_batches(split, rank=0, world=1, batch_size=4, policy="sample", collate=_Tagged(inner, "n"),
                                loader=LoaderOptions(num_workers=2)))

@@ -114,7 +114,8 @@ def test_a_changed_remote_shard_stops_before_any_of_its_samples(tmp_path):
                                             rf"manifest says {len(data)} \(truncated or modified\)$"):
             open_split(f"{url}/t0/train")
         n, msg = _first_failure(open_split(f"pipe:cat {root}/t0/train/{{}}"))
-        assert n == 8 and msg.endswith(f"has {len(data) - 1024} bytes, manifest says {len(data)} (truncated or modified)")
+        assert n == 8 and msg.endswith(f"has {len(data) - 1024} bytes, manifest says {len(data)} "
+                                       "(truncated or modified)")
 
 
 def test_missing_remote_files_and_bad_locations_are_one_line(tmp_path):
@@ -124,7 +125,8 @@ def test_missing_remote_files_and_bad_locations_are_one_line(tmp_path):
         with pytest.raises(DataError, match=rf"^missing shard: {url}/t0/train/shard-000002.tar \(listed in "
                                             rf"{url}/t0/train/manifest.json\): .*404"):
             open_split(f"{url}/t0/train")
-        with pytest.raises(DataError, match=rf"^missing manifest: cannot read {url}/t0/test/manifest.json: curl exit 22: the server answered "
+        with pytest.raises(DataError, match=rf"^missing manifest: cannot read {url}/t0/test/manifest.json: "
+                                            r"curl exit 22: the server answered "
                                             r"with an HTTP error \(no such file\?\)$"):
             open_split(f"{url}/t0/test")
     pipe = f"pipe:cat {root}/t0/train/{{}}"

@@ -81,9 +81,11 @@ def test_collate_trains_on_answer_tokens_only_and_pads_left_to_generate(llava):
         assert tr.inputs["attention_mask"][i, 0] == 1  # right padding
         # the whole sample is what the checkpoint's own processor makes of its chat template
         image, rec, _ = decode_instruction(samples[i])
-        msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": rec["question"].replace("<image>", "").strip()}]},
+        msgs = [{"role": "user", "content": [{"type": "image"},
+                                             {"type": "text", "text": rec["question"].replace("<image>", "").strip()}]},
                 {"role": "assistant", "content": [{"type": "text", "text": rec["answer"]}]}]
-        own = bb.processor(text=[bb.processor.apply_chat_template(msgs, tokenize=False)], images=[image])["input_ids"][0]
+        own = bb.processor(text=[bb.processor.apply_chat_template(msgs, tokenize=False)],
+                           images=[image])["input_ids"][0]
         n = int(tr.inputs["attention_mask"][i].sum())
         assert tr.inputs["input_ids"][i, :n].tolist() == list(own)
     assert int((tr.inputs["input_ids"] == bb.image_token_id).sum()) == len(samples) * bb.model.config.image_seq_length
@@ -416,8 +418,8 @@ def test_qwen2_vl_backbone_mrope_prompts_and_own_greedy_loop(mcit_assets, tmp_pa
     ids = ev.inputs["input_ids"]
     hf = bb.model.generate(input_ids=ids, attention_mask=ev.inputs["attention_mask"],
                            pixel_values=torch.cat([ev.pixel_values[i] for i in range(3)]),
-                           image_grid_thw=ev.inputs["image_grid_thw"], mm_token_type_ids=(ids == bb.image_token_id).int(),
-                           max_new_tokens=4, do_sample=False)
+                           image_grid_thw=ev.inputs["image_grid_thw"],
+                           mm_token_type_ids=(ids == bb.image_token_id).int(), max_new_tokens=4, do_sample=False)
     assert mine == [t.strip() for t in bb.tokenizer.batch_decode(hf[:, ids.shape[1]:], skip_special_tokens=True)]
     cls = METHODS.get("fwd_prompt")
     torch.manual_seed(0)
@@ -509,7 +511,6 @@ def test_energy_basis_stays_inside_the_residual_when_round_off_asks_for_more():
     a third of these rotations); the cap keeps exactly d - m. A float32 basis (what a checkpoint stores) is
     orthonormal only to ~1e-7, so the residual's eigenvectors lean on it by that much: the new directions are
     re-orthogonalised against it, to round-off in float64, even when it has one column."""
-    asked_for_more = 0
     for seed in range(30):
         g = torch.Generator().manual_seed(seed)
         Q, _ = torch.linalg.qr(torch.randn(6, 6, generator=g, dtype=torch.float64))

@@ -37,7 +37,8 @@ def test_a_directory_s_own_pipeline_is_its_image_processor_s(tmp_path):
     bare = tmp_path / "bare"
     bare.mkdir()
     (bare / "config.json").write_text(json.dumps({"image_size": 8}))
-    c, v, b = CLIPBackbone.own_preprocessing(clip), ViTBackbone.own_preprocessing(vit), ViTBackbone.own_preprocessing(bare)
+    c, v, b = (CLIPBackbone.own_preprocessing(clip), ViTBackbone.own_preprocessing(vit),
+               ViTBackbone.own_preprocessing(bare))
     assert (c.size, c.resize, c.interpolation, c.mean, c.std) == (24, 24, "bicubic", (0.1, 0.2, 0.3), (0.4, 0.5, 0.6))
     assert (v.size, v.resize, v.interpolation) == (16, None, "bilinear")
     assert (b.size, b.resize, b.mean) == (8, None, (0.5, 0.5, 0.5))
@@ -48,7 +49,8 @@ def test_a_directory_s_own_pipeline_is_its_image_processor_s(tmp_path):
     assert out.size == (24, 24) and np.array_equal(np.asarray(out), np.asarray(expected))
     assert X.build(X.BACKBONE, train=False, size=16, backbone=v)(wide).size == (16, 16)
     assert X.normalization(X.BACKBONE, c) == ((0.1, 0.2, 0.3), (0.4, 0.5, 0.6))
-    assert X.normalization("l2p", c) == X.NO_NORM and X.normalization("vpt_nsp2_cifar", c) == ((0.1, 0.2, 0.3), (0.4, 0.5, 0.6))
+    assert (X.normalization("l2p", c) == X.NO_NORM
+            and X.normalization("vpt_nsp2_cifar", c) == ((0.1, 0.2, 0.3), (0.4, 0.5, 0.6)))
 
 
 def test_train_and_eval_presets_must_normalise_alike(tmp_path):

@@ -205,7 +205,8 @@ def test_written_shards_are_byte_identical_and_the_manifest_keeps_class_names(tm
     is one empty shard, not a split without shards."""
     import tarfile
 
-    a = write_split(tmp_path / "a", _samples(12), shard_size=5, label_space=[2, 0, 1], class_names={0: "zero", 2: "two"})
+    a = write_split(tmp_path / "a", _samples(12), shard_size=5, label_space=[2, 0, 1],
+                    class_names={0: "zero", 2: "two"})
     with tarfile.open(tmp_path / "a" / "shard-000000.tar") as tar:
         assert {m.mtime for m in tar.getmembers()} == {0}
     b = write_split(tmp_path / "b", _samples(12), shard_size=5, label_space=[0, 1, 2])
@@ -326,7 +327,8 @@ def test_task_sequence_names_its_tasks_and_maps_labels_to_contiguous_classes():
 def test_a_split_of_one_sample_is_one_shard_and_an_empty_one_still_has_a_manifest(tmp_path):
     assert [sh["num_samples"] for sh in write_split(tmp_path / "one", _samples(1), shard_size=1,
                                                      label_space=[0])["shards"]] == [1]
-    assert [sh["num_samples"] for sh in write_split(tmp_path / "none", [], shard_size=4, label_space=[0])["shards"]] == [0]
+    assert [sh["num_samples"] for sh in write_split(tmp_path / "none", [], shard_size=4,
+                                                     label_space=[0])["shards"]] == [0]
 
 
 def test_each_epoch_is_its_own_shuffle_of_this_rank_s_part(split):

@@ -26,7 +26,8 @@ def test_points_are_validated_configs_with_their_order_and_setting_recorded(asse
     points = S.expand(spec)
     assert len(points) == 2 * 2 * 3 * 2  # configs x settings x orders x seeds
     assert len({p.name for p in points}) == len(points)
-    p = next(p for p in points if p.config == "l2p" and p.order == "3" and p.seed == 1 and p.setting["train.lr"] == 0.05)
+    p = next(p for p in points
+             if p.config == "l2p" and p.order == "3" and p.seed == 1 and p.setting["train.lr"] == 0.05)
     assert p.name == "l2p__train.lr=0.05__s1_o3" and p.cfg.seed == 1 and p.cfg.train.lr == 0.05
     perm = np.random.RandomState(3).permutation(2).tolist()
     assert p.cfg.data.tasks == [["task0", "task1"][i] for i in perm] and p.meta["permutation"] == p.cfg.data.tasks

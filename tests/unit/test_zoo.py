@@ -65,7 +65,8 @@ def timm_forward(sd, x):
         a = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(hd), -1) @ v
         tok = tok + a.transpose(1, 2).reshape(len(x), -1, D) @ p[f"{t}.attn.proj.weight"].T + p[f"{t}.attn.proj.bias"]
         y = _ln(tok, p[f"{t}.norm2.weight"], p[f"{t}.norm2.bias"], 1e-6)
-        y = F.gelu(y @ p[f"{t}.mlp.fc1.weight"].T + p[f"{t}.mlp.fc1.bias"]) @ p[f"{t}.mlp.fc2.weight"].T + p[f"{t}.mlp.fc2.bias"]
+        y = (F.gelu(y @ p[f"{t}.mlp.fc1.weight"].T + p[f"{t}.mlp.fc1.bias"]) @ p[f"{t}.mlp.fc2.weight"].T
+             + p[f"{t}.mlp.fc2.bias"])
         tok = tok + y
     return _ln(tok, p["norm.weight"], p["norm.bias"], 1e-6)
 
@@ -169,7 +170,8 @@ def _write(tmp_path, fmt: str):
         path = tmp_path / "vit-b-300ep.pth.tar"
         state = {**{f"module.base_encoder.{k}": v for k, v in sd.items()},
                  **{f"module.momentum_encoder.{k}": torch.zeros_like(v) for k, v in sd.items()},
-                 "module.base_encoder.head.0.weight": torch.randn(16, D), "module.predictor.0.weight": torch.randn(4, 4)}
+                 "module.base_encoder.head.0.weight": torch.randn(16, D),
+                 "module.predictor.0.weight": torch.randn(4, 4)}
         torch.save({"epoch": 300, "arch": "vit_base", "state_dict": state, "optimizer": {"state": {}},
                     "args": argparse.Namespace(lr=1.5e-4)}, path)
     else:
@@ -218,7 +220,8 @@ def test_converted_vit_round_trips_through_an_hf_directory_and_the_backbone(tmp_
 
 def test_wrong_checkpoints_give_the_listed_error(tmp_path):
     path, _ = _write(tmp_path, "timm_pth")
-    with pytest.raises(BackboneError, match=r"does not match backbone tag 'dino_vitb16': hidden_size 32 \(expected 768\)"):
+    with pytest.raises(BackboneError,
+                       match=r"does not match backbone tag 'dino_vitb16': hidden_size 32 \(expected 768\)"):
         Z.convert("dino_vitb16", path)  # a tiny checkpoint is not a ViT-B/16
     sd = timm_vit()
     sd["blocks.0.attn.extra"] = torch.zeros(3)
@@ -233,11 +236,14 @@ def test_wrong_checkpoints_give_the_listed_error(tmp_path):
     sd = timm_vit()
     del sd["norm.bias"]
     torch.save(sd, tmp_path / "missing.pth")
-    with pytest.raises(BackboneError, match=r"not a dino vit checkpoint for tag 'dino_vitb16': missing key 'norm.bias'"):
+    with pytest.raises(BackboneError,
+                       match=r"not a dino vit checkpoint for tag 'dino_vitb16': missing key 'norm.bias'"):
         Z.convert("dino_vitb16", tmp_path / "missing.pth", entry_override=tiny("dino_vitb16"))
-    with pytest.raises(BackboneError, match=r"backbone.tag 'vit_b16_typo' is not a zoo tag \(known tags: .*dino_vitb16"):
+    with pytest.raises(BackboneError,
+                       match=r"backbone.tag 'vit_b16_typo' is not a zoo tag \(known tags: .*dino_vitb16"):
         Z.entry("vit_b16_typo")
-    with pytest.raises(BackboneError, match=r"'vit_b16_augreg_in21k' is not a zoo tag \(did you mean vit_b16_in21k_augreg or "):
+    with pytest.raises(BackboneError,
+                       match=r"'vit_b16_augreg_in21k' is not a zoo tag \(did you mean vit_b16_in21k_augreg or "):
         Z.entry("vit_b16_augreg_in21k")  # the words of a zoo tag in another order
 
 
@@ -403,7 +409,8 @@ def test_a_zoo_tag_in_the_config_converts_once_records_its_sha_and_guards_the_ru
     with pytest.raises(RunDirError, match=r"is not the one run .* started with"):
         preflight(load_config(cfg_path))
     cfg_path.write_text(cfg_path.read_text().replace("dino_vitb16", "dino_vitb61"))
-    with pytest.raises(BackboneError, match=r"not a transformers directory, and backbone.tag 'dino_vitb61' is not a zoo tag"):
+    with pytest.raises(BackboneError,
+                       match=r"not a transformers directory, and backbone.tag 'dino_vitb61' is not a zoo tag"):
         preflight(load_config(cfg_path))
 
 
