@@ -78,7 +78,8 @@ def decode_instruction(sample: dict) -> tuple[Any, dict[str, Any], str]:
         raise DataError(f"{where}: cannot decode ({e.__class__.__name__}: {e})") from None
     pairs = turns(rec.get("conversations"), where)
     question, answer = pairs[-1]
-    out: dict[str, Any] = {"turns": pairs, "question": question, "answer": answer, "answers": rec.get("answers") or [answer]}
+    out: dict[str, Any] = {"turns": pairs, "question": question, "answer": answer,
+                           "answers": rec.get("answers") or [answer]}
     for k in ("box", "choices", "text_only"):
         if k in rec:
             out[k] = rec[k]

@@ -8,14 +8,13 @@ shares none with most CIL benchmarks.
 
 from __future__ import annotations
 
-
 import numpy as np
 
 SHAPES = ["hbar", "vbar", "diag_up", "diag_down", "ring", "disk", "square", "plus", "cross", "arc_top",
           "arc_bottom", "corner", "triangle", "parallel", "dots", "zigzag"]
 
 
-def draw_shape(draw, shape: str, rng: np.random.RandomState, canvas: int) -> None:  # noqa: ANN001 - a PIL ImageDraw
+def draw_shape(draw, shape: str, rng: np.random.RandomState, canvas: int) -> None:  # draw: a PIL ImageDraw
     """One ``shape`` on a ``canvas`` square: centred in its middle fifth, radius 0.22-0.45 of the canvas,
     strokes canvas/16 to canvas/7 wide, ink 170-255 (the class is the shape, never its placement)."""
     c = canvas

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Iterator
 
-from mcit.core.checkpoint import atomic_write_text
 from mcit.core import locations as L
+from mcit.core.checkpoint import atomic_write_text
 
 MANIFEST = "manifest.json"
 FORMAT = "mcit-shards/1"
@@ -357,7 +357,8 @@ def _tar_members(source: Path | IO[bytes], path: str | Path) -> Iterator[tuple[s
                 start = pos + 512
                 pos = start + (n + 511) // 512 * 512
                 if start + n > size:
-                    raise DataError(f"cannot read shard {path}: member at byte {start - 512} runs past the end (truncated)")
+                    raise DataError(f"cannot read shard {path}: member at byte {start - 512} runs past the end "
+                                    f"(truncated)")
                 if typ == b"x":  # pax extended header: "<len> key=value\n" records
                     for rec in mm[start:start + n].split(b"\n"):
                         k, _, v = rec.partition(b" ")[2].partition(b"=")

@@ -166,7 +166,8 @@ class CenterCrop(_Step):
         if w < self.size or h < self.size:
             pw, ph = max(self.size, w), max(self.size, h)
             canvas = Image.new(img.mode, (pw, ph))
-            canvas.paste(img, ((self.size - w) // 2 if w < self.size else 0, (self.size - h) // 2 if h < self.size else 0))
+            left, top = (self.size - w) // 2 if w < self.size else 0, (self.size - h) // 2 if h < self.size else 0
+            canvas.paste(img, (left, top))
             img, (w, h) = canvas, (pw, ph)
             if (w, h) == (self.size, self.size):
                 return img
@@ -252,9 +253,11 @@ def apply_op(img: Any, op: str, magnitude: float, interpolation: str) -> Any:
     from PIL import ImageEnhance, ImageOps
 
     if op == "ShearX":
-        return _affine(img, shear=(math.degrees(math.atan(magnitude)), 0.0), center=(0.0, 0.0), interpolation=interpolation)
+        return _affine(img, shear=(math.degrees(math.atan(magnitude)), 0.0), center=(0.0, 0.0),
+                       interpolation=interpolation)
     if op == "ShearY":
-        return _affine(img, shear=(0.0, math.degrees(math.atan(magnitude))), center=(0.0, 0.0), interpolation=interpolation)
+        return _affine(img, shear=(0.0, math.degrees(math.atan(magnitude))), center=(0.0, 0.0),
+                       interpolation=interpolation)
     if op == "TranslateX":
         return _affine(img, translate=(int(magnitude), 0), interpolation=interpolation)
     if op == "TranslateY":
@@ -460,7 +463,8 @@ def _l2p_eval(size: int) -> Compose:
 
 
 def _l2p_train(size: int) -> Compose:
-    return Compose((RandomResizedCrop(size, (0.05, 1.0), (3.0 / 4.0, 4.0 / 3.0), "bilinear"), RandomHorizontalFlip(0.5)))
+    return Compose((RandomResizedCrop(size, (0.05, 1.0), (3.0 / 4.0, 4.0 / 3.0), "bilinear"),
+                    RandomHorizontalFlip(0.5)))
 
 
 def _resize_crop(size: int, interpolation: str) -> Compose:
@@ -495,8 +499,8 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
            lambda size: Compose((RandomResizedCrop(size), RandomHorizontalFlip(0.5))),
            lambda size: Compose((Resize(size, "bilinear"),)), NO_NORM),
     Preset("coda_imagenet", "GT-RIPL/CODA-Prompt 6417d4f dataloaders/utils.py get_transform, ImageNet_R and DomainNet "
-                            "(`dataset.startswith('ImageNet') or dataset == 'DomainNet'`): RandomResizedCrop(224) + flip; "
-                            "Resize(256) of the shorter side + CenterCrop(224); inputs in [0, 1]",
+                            "(`dataset.startswith('ImageNet') or dataset == 'DomainNet'`): RandomResizedCrop(224) "
+                            "+ flip; Resize(256) of the shorter side + CenterCrop(224); inputs in [0, 1]",
            lambda size: Compose((RandomResizedCrop(size), RandomHorizontalFlip(0.5))),
            lambda size: _resize_crop(size, "bilinear"), NO_NORM),
     Preset("vpt_nsp2_cifar", "zugexiaodui/VPTinNSforCL utils/dataset_builder.py define_dataset, transform_type "
@@ -505,12 +509,14 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
            lambda size: Compose((Resize((size, size), "bicubic"),)), None),
     Preset("vpt_nsp2_imagenet", "zugexiaodui/VPTinNSforCL utils/dataset_builder.py define_dataset, transform_type "
                                 "'autoaug', imagenet_r / sdomainet; timm's mean / std of the model",
-           lambda size: Compose((AutoAugment("imagenet", "bilinear"), RandomResizedCrop(size, interpolation="bilinear"))),
-           lambda size: Compose((Resize((int(256 / 224 * size), int(256 / 224 * size)), "bilinear"), CenterCrop(size))),
+           lambda size: Compose((AutoAugment("imagenet", "bilinear"),
+                                 RandomResizedCrop(size, interpolation="bilinear"))),
+           lambda size: Compose((Resize((int(256 / 224 * size), int(256 / 224 * size)), "bilinear"),
+                                 CenterCrop(size))),
            None),
     Preset("vpt_nsp2_clip_cifar", "zugexiaodui/VPTinNSforCL utils/dataset_builder.py define_dataset, transform_type "
-                                  "'clip' (its CLIP scripts), cifar100: AutoAugment + crop, then CLIP's preprocess (its resize and crop "
-                                  "leave the crop as it is); the CLIP's own mean / std",
+                                  "'clip' (its CLIP scripts), cifar100: AutoAugment + crop, then CLIP's preprocess "
+                                  "(its resize and crop leave the crop as it is); the CLIP's own mean / std",
            lambda size: Compose((AutoAugment("cifar10", "bilinear"), RandomResizedCrop(size, interpolation="bicubic"),
                                  Resize(size, "bicubic"), CenterCrop(size))),
            lambda size: Compose((Resize(size, "bicubic"), CenterCrop(size))), None),
@@ -531,11 +537,12 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
     Preset("star_cifar_imagenet_norm", "aimagelab/mammoth 210c6bc (2024-08-19) and later, up to e75a491: star_cifar's "
                                        "steps with ImageNet's mean / std (what mammoth runs today)",
            _star_train, lambda size: Compose((Resize(size, "bicubic"),)), IMAGENET_NORM),
-    Preset("star_imagenet_r", "aimagelab/mammoth d003b9a and 210c6bc (unchanged through e75a491) datasets/seq_imagenet_r.py "
-                              "TRANSFORM / TEST_TRANSFORM: RandomResizedCrop(224, bicubic) + flip; Resize((256, 256), "
-                              "bicubic) + CenterCrop(224); Normalize((0, 0, 0), (1, 1, 1))",
+    Preset("star_imagenet_r", "aimagelab/mammoth d003b9a and 210c6bc (unchanged through e75a491) "
+                              "datasets/seq_imagenet_r.py TRANSFORM / TEST_TRANSFORM: RandomResizedCrop(224, bicubic) "
+                              "+ flip; Resize((256, 256), bicubic) + CenterCrop(224); Normalize((0, 0, 0), (1, 1, 1))",
            _star_train,
-           lambda size: Compose((Resize((int(256 / 224 * size), int(256 / 224 * size)), "bicubic"), CenterCrop(size))),
+           lambda size: Compose((Resize((int(256 / 224 * size), int(256 / 224 * size)), "bicubic"),
+                                 CenterCrop(size))),
            NO_NORM),
 ]}
 
@@ -546,8 +553,10 @@ def _preset(name: str) -> Preset:
     return PRESETS[name]
 
 
-def to_tensor(images: list[Any], mean: tuple[float, ...] | list[float], std: tuple[float, ...] | list[float]) -> torch.Tensor:
-    """RGB PIL images of one size -> (B, 3, H, W) float32: torchvision's ToTensor (x / 255) then Normalize(mean, std)."""
+def to_tensor(images: list[Any], mean: tuple[float, ...] | list[float],
+              std: tuple[float, ...] | list[float]) -> torch.Tensor:
+    """RGB PIL images of one size -> (B, 3, H, W) float32: torchvision's ToTensor (x / 255) then
+    Normalize(mean, std)."""
     import numpy as np
 
     x = torch.from_numpy(np.stack([np.asarray(im, dtype=np.float32) / 255.0 for im in images]))

@@ -71,7 +71,8 @@ class Batch:
         """Every tensor on ``device``; ``non_blocking`` from pinned memory on CUDA (the copy overlaps compute)."""
         allowed = None if self.allowed_classes is None else self.allowed_classes.to(device, non_blocking=non_blocking)
         return Batch(self.pixel_values.to(device, non_blocking=non_blocking),
-                     self.labels.to(device, non_blocking=non_blocking), self.valid.to(device, non_blocking=non_blocking),
+                     self.labels.to(device, non_blocking=non_blocking),
+                     self.valid.to(device, non_blocking=non_blocking),
                      self.task, self.keys, allowed,
                      {k: v.to(device, non_blocking=non_blocking) for k, v in self.inputs.items()}, self.meta)
 
