@@ -57,6 +57,52 @@ def check_hf_dir(path: str | Path) -> dict:
         raise BackboneError(f"backbone config {cfg} is not valid JSON: {e}") from None
 
 
+def loading_problems(info: dict[str, Any], ignore_unexpected: tuple[str, ...] = ()) -> str | None:
+    """What transformers' ``output_loading_info`` says did not load, in a few words; None when every weight
+    loaded. ``ignore_unexpected``: key prefixes a backbone drops on purpose (the ViT pooler)."""
+    missing = sorted(info.get("missing_keys") or [])
+    unexpected = sorted(k for k in info.get("unexpected_keys") or [] if not k.startswith(ignore_unexpected))
+    mismatched = sorted(str(m[0] if isinstance(m, (tuple, list)) else m) for m in info.get("mismatched_keys") or [])
+    parts = [f"{len(keys)} {what} (first: {', '.join(keys[:3])})"
+             for what, keys in (("missing", missing), ("unexpected", unexpected), ("with other shapes", mismatched))
+             if keys]
+    return "; ".join(parts) or None
+
+
+def check_weights(model_cls: Any, path: str | Path, hint: str = "", ignore_unexpected: tuple[str, ...] = (),
+                  **kwargs: Any) -> None:
+    """Pre-flight's strict check: ``model_cls.from_pretrained(path)`` on the meta device (the checkpoint's key
+    names and shapes, no weight read) must find every weight the class has, no other key and no other shape.
+    transformers would otherwise initialise what is missing at random and the run would train from it."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the loading report is ours to give, in one line
+    try:
+        # ignore_mismatched_sizes: report weights of another shape with the rest instead of raising on the first
+        _, info = model_cls.from_pretrained(str(path), device_map="meta", output_loading_info=True,
+                                            ignore_mismatched_sizes=True, **kwargs)
+    except Exception as e:  # noqa: BLE001 - one line naming the path
+        raise BackboneError(f"backbone path {path}: {model_cls.__name__} cannot read it: "
+                            f"{(str(e).splitlines() or [e.__class__.__name__])[0]}{hint}") from None
+    finally:
+        hf_logging.set_verbosity(level)
+    problems = loading_problems(info, ignore_unexpected)
+    if problems:
+        raise BackboneError(f"backbone path {path}: its weights do not fit {model_cls.__name__}: {problems}{hint}")
+
+
+def strict_from_pretrained(model_cls: Any, path: str | Path, ignore_unexpected: tuple[str, ...] = (),
+                           **kwargs: Any) -> Any:
+    """``model_cls.from_pretrained`` that refuses a checkpoint it could not load whole (a weight missing,
+    unexpected or of another shape) instead of training from randomly initialised weights."""
+    model, info = model_cls.from_pretrained(str(path), output_loading_info=True, ignore_mismatched_sizes=True, **kwargs)
+    problems = loading_problems(info, ignore_unexpected)
+    if problems:
+        raise BackboneError(f"backbone path {path}: its weights do not fit {model_cls.__name__}: {problems}")
+    return model
+
+
 def read_preprocessor(path: str | Path) -> dict[str, Any]:
     """The checkpoint's ``preprocessor_config.json`` (image mean / std, resize filter), or {}."""
     pp = Path(path) / "preprocessor_config.json"

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mcit.core.registry import BACKBONES
-from mcit.models.base import BackboneError, PromptableImageEncoder, check_hf_dir
+from mcit.models.base import BackboneError, PromptableImageEncoder, check_hf_dir, check_weights, strict_from_pretrained
 
 
 @BACKBONES.register("clip")
@@ -50,6 +50,9 @@ class CLIPBackbone(PromptableImageEncoder):
         p = Path(path)
         if not any((p / f).is_file() for f in ("tokenizer.json", "vocab.json", "tokenizer_config.json")):
             raise BackboneError(f"backbone path {path} has no tokenizer files (tokenizer.json or vocab.json)")
+        from transformers import CLIPModel
+
+        check_weights(CLIPModel, path)
 
     @staticmethod
     def vision_config(model: nn.Module) -> Any:
@@ -60,7 +63,7 @@ class CLIPBackbone(PromptableImageEncoder):
         from transformers import AutoTokenizer, CLIPModel
 
         tokenizer = AutoTokenizer.from_pretrained(str(path))
-        return CLIPModel.from_pretrained(str(path), dtype=dtype), {"tokenizer": tokenizer}
+        return strict_from_pretrained(CLIPModel, path, dtype=dtype), {"tokenizer": tokenizer}
 
     @property
     def dtype(self) -> torch.dtype:

@@ -18,6 +18,7 @@ weights through bitsandbytes.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any, Callable
@@ -27,7 +28,7 @@ from torch import nn
 
 from mcit.core.registry import BACKBONES
 from mcit.data.types import Batch
-from mcit.models.base import Backbone, BackboneError
+from mcit.models.base import Backbone, BackboneError, check_weights, strict_from_pretrained
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -113,8 +114,24 @@ class MLLMBackbone(Backbone):
 
     @classmethod
     def check(cls, path: str) -> None:
-        """A local HF directory (config.json present) or, where the directory does not exist, a hub id."""
+        """A local HF directory whose weights fill the family's transformers class exactly (no weight read:
+        ``check_weights``), or, where the directory does not exist, a hub id. A checkpoint in the original
+        LLaVA layout (haotian-liu/LLaVA's ``LlavaLlamaForCausalLM``) is named as such: transformers' class reads
+        its config as LLaVA's defaults and would train a randomly initialised model of another size."""
+        import transformers
+
         check_model_source(path)
+        p = Path(path)
+        if not p.is_dir():
+            return
+        cfg = json.loads((p / "config.json").read_text())
+        if cls.model_kind == "llava" and ("mm_vision_tower" in cfg or "mm_projector_type" in cfg
+                                          or "LlavaLlamaForCausalLM" in (cfg.get("architectures") or [])):
+            raise BackboneError(f"backbone path {path} is an original LLaVA checkpoint (haotian-liu/LLaVA's "
+                                f"LlavaLlamaForCausalLM: mm_projector, vision tower from mm_vision_tower "
+                                f"{cfg.get('mm_vision_tower')!r}), which transformers' LlavaForConditionalGeneration "
+                                f"cannot load: convert it to the llava-hf layout first")
+        check_weights(getattr(transformers, cls.MODEL_CLASSES[cls.model_kind]), path)
 
     @classmethod
     def from_path(cls, path: str, dtype: torch.dtype = torch.float32, quantization: str = "none",
@@ -136,7 +153,9 @@ class MLLMBackbone(Backbone):
             kwargs: dict[str, Any] = {"dtype": dtype}
             if qc is not None:
                 kwargs["quantization_config"] = qc
-            model = model_cls.from_pretrained(path, **kwargs)
+            model = strict_from_pretrained(model_cls, path, **kwargs)
+        except BackboneError:
+            raise
         except Exception as e:  # noqa: BLE001 - one line naming the path
             raise BackboneError(f"cannot load {kind} backbone from {path}: {str(e).splitlines()[0]}") from None
         return cls(model, processor, max_length, chat_format)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from mcit.core.registry import BACKBONES
-from mcit.models.base import PromptableImageEncoder
+from mcit.models.base import PromptableImageEncoder, check_hf_dir, check_weights, strict_from_pretrained
 
 
 @BACKBONES.register("vit")
@@ -17,11 +17,23 @@ class ViTBackbone(PromptableImageEncoder):
     """Frozen ViTModel (no pooler) plus its image-processor settings (mean / std 0.5 unless the
     checkpoint's preprocessor config says otherwise)."""
 
+    # the pooler is not used (prompt methods read the [CLS] token after the final norm): a checkpoint's pooler
+    # weights are dropped on purpose
+    DROPPED = ("pooler.",)
+
+    @classmethod
+    def check(cls, path: str | Path) -> None:
+        """An HF ViT directory whose weights fill ``ViTModel`` (no pooler) exactly."""
+        from transformers import ViTModel
+
+        check_hf_dir(path)
+        check_weights(ViTModel, path, ignore_unexpected=cls.DROPPED, add_pooling_layer=False)
+
     @classmethod
     def load_model(cls, path: str | Path, dtype: torch.dtype) -> tuple[nn.Module, dict[str, Any]]:
         from transformers import ViTModel
 
-        return ViTModel.from_pretrained(str(path), add_pooling_layer=False, dtype=dtype), {}
+        return strict_from_pretrained(ViTModel, path, cls.DROPPED, add_pooling_layer=False, dtype=dtype), {}
 
     @property
     def layers(self) -> nn.ModuleList:
