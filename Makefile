@@ -42,7 +42,8 @@ $(TINY_CLIP): data_prep/pretrain_clip.py mcit/data/procedural.py | $(VENV)/.inst
 $(TINY_MCIT): data_prep/tiny_mcit.py mcit/data/tiny_mcit.py mcit/data/instructions.py mcit/data/shards.py | $(VENV)/.installed
 	$(DATA_ENV) $(BIN)/python -m data_prep.tiny_mcit --out $(@D) --force
 
-$(TINY_LLAVA): data_prep/pretrain_tiny_llava.py mcit/models/tiny_llava.py mcit/models/mllm.py mcit/data/tiny_mcit.py \
+$(TINY_LLAVA): data_prep/pretrain_tiny_llava.py mcit/models/tiny_llava.py mcit/models/mllm.py mcit/models/llava.py \
+               mcit/data/tiny_mcit.py \
                $(TINY_MCIT) | $(VENV)/.installed
 	$(DATA_ENV) $(BIN)/python -m data_prep.pretrain_tiny_llava --shards $(dir $(TINY_MCIT)) --out $(@D) --force
 

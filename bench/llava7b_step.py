@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     from mcit.core import distributed as dist
     from mcit.core.config import validate_config
     from mcit.data.types import Batch
+    from mcit.models.llava import LlavaBackbone
     from mcit.models.mllm import MLLMBackbone, quantization_config
     from mcit.run.engine import setup_engine, train_step
 
@@ -79,12 +80,12 @@ def main(argv: list[str] | None = None) -> int:
             with torch.device(dist.device()):
                 LlavaForConditionalGeneration(cfg).to(torch.bfloat16).save_pretrained(str(save))
             torch.cuda.empty_cache()
-        qc = quantization_config(args.quantization, torch.bfloat16, MLLMBackbone.UNQUANTIZED["llava"])
+        qc = quantization_config(args.quantization, torch.bfloat16, LlavaBackbone.unquantized)
         model = LlavaForConditionalGeneration.from_pretrained(str(save), dtype=torch.bfloat16, quantization_config=qc,
                                                               device_map={"": dist.device()})
     print(f"model ready ({args.quantization}) in {time.perf_counter() - t_build:.1f} s; weights "
           f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB on the GPU", flush=True)
-    bb = MLLMBackbone(model, None)
+    bb = MLLMBackbone.wrap(model, None)
     n_vis = sum(p.numel() for n, p in empty.model.named_parameters()
                 if "vision_tower" in n or "multi_modal_projector" in n)
     n_lm = sum(p.numel() for n, p in empty.model.named_parameters()

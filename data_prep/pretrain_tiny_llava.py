@@ -53,7 +53,7 @@ def pretrain(shards: Path, out: Path, *, epochs: int = 6, batch_size: int = 32, 
     processor = build_processor(tokenizer, image_size=B.SIZE, patch_size=patch_size)
     model = build_model(tokenizer, image_size=B.SIZE, patch_size=patch_size, vision_hidden=vision_hidden,
                         vision_layers=vision_layers, text_hidden=text_hidden, text_layers=text_layers, seed=seed)
-    wrap = MLLMBackbone(model, processor)  # its collate is the one the pipeline uses
+    wrap = MLLMBackbone.wrap(model, processor)  # its collate is the one the pipeline uses
     vision_acc = pretrain_vision(model, processor, n=vision_samples, epochs=vision_epochs, seed=seed,
                                  progress=progress)
     # Stage 2 (LLaVA-1.5's recipe): the vision tower stays frozen; projector and LLM are tuned.

@@ -9,11 +9,12 @@ answer-token loss for training and batched greedy generation with the KV cache f
 Prompts go after any left padding and before the first real token, so a sample's positions (and
 its answer) are the same whatever else is in its batch.
 
-Supported here: LLaVA / LLaVA-1.5 (``LlavaForConditionalGeneration``, kind ``llava``) and InstructBLIP
-with a decoder-only LLM (``InstructBlipForConditionalGeneration``, kind ``instructblip``: the Q-Former
-reads the instruction, its query outputs fill the image tokens). The model is frozen and in eval
-mode; bf16 on GPU (``train.precision``), fp32 on CPU; optional 4-bit / 8-bit loading of the frozen
-weights through bitsandbytes.
+The base has no family branch: what differs between model families (their transformers class, the
+processor and its offline fallback, the vision features and the pooled image query, position ids, how image
+tokens enter the text) is a method a family overrides, one file per family: ``llava.py`` (LLaVA / LLaVA-1.5,
+llava-hf), ``instructblip.py`` (InstructBLIP with a decoder-only LLM), ``qwen2_vl.py`` (Qwen2-VL). The defaults
+are llava-hf's. The model is frozen and in eval mode; bf16 on GPU (``train.precision``), fp32 on CPU;
+optional 4-bit / 8-bit loading of the frozen weights through bitsandbytes.
 """
 
 from __future__ import annotations
@@ -62,23 +63,21 @@ def quantization_config(mode: str, dtype: torch.dtype, keep: tuple[str, ...] = (
 
 
 class MLLMBackbone(Backbone):
-    """A frozen multimodal LLM and its processor; registered once per model family (``LlavaBackbone``,
-    ``InstructBlipBackbone``, ``Qwen2VLBackbone`` below), each naming its transformers class."""
+    """A frozen multimodal LLM and its processor. A family (one file: ``LlavaBackbone``, ``InstructBlipBackbone``,
+    ``Qwen2VLBackbone``) names its transformers class and overrides the hooks below where it differs from
+    llava-hf. ``MLLMBackbone.from_path`` / ``MLLMBackbone.wrap`` pick the family from the checkpoint or model."""
 
     task_type = "generation"
     load_options = ("quantization", "max_length", "chat_format")
     hub_ids = True
-    model_kind: str = "llava"  # the MODEL_CLASSES key ``from_path`` loads
-
-    MODEL_CLASSES = {"llava": "LlavaForConditionalGeneration", "instructblip": "InstructBlipForConditionalGeneration",
-                     "qwen2_vl": "Qwen2VLForConditionalGeneration"}
-    # What ``backbone.quantization`` leaves unquantized: the output head, and the vision side (tower,
-    # Q-Former, projector), as LLaVA's own 4/8-bit loader does (it quantizes the language model only).
-    # bitsandbytes' packed CPU 4-bit kernels also need in_features >= their 64-wide blocks.
-    # (transformers matches each entry from the start of a module's full name, as a regex, or as a suffix.)
-    UNQUANTIZED = {"llava": ("lm_head", ".*vision_tower", ".*multi_modal_projector"),
-                   "instructblip": ("lm_head", ".*vision_model", ".*qformer", ".*language_projection"),
-                   "qwen2_vl": ("lm_head", ".*visual")}
+    kind: str = ""  # the family's backbone.kind
+    model_class: str = ""  # its transformers class
+    model_types: tuple[str, ...] = ()  # config.json model_type values it loads
+    # What ``backbone.quantization`` leaves unquantized: the output head and the vision side (tower, Q-Former,
+    # projector), as LLaVA's own 4/8-bit loader does (it quantizes the language model only). bitsandbytes'
+    # packed CPU 4-bit kernels also need in_features >= their 64-wide blocks. (transformers matches each entry
+    # from the start of a module's full name, as a regex, or as a suffix.)
+    unquantized: tuple[str, ...] = ("lm_head",)
 
     def __init__(self, model: nn.Module, processor: Any, max_length: int = 2048,
                  chat_format: str = "processor") -> None:
@@ -88,14 +87,10 @@ class MLLMBackbone(Backbone):
         if chat_format not in CHAT_FORMATS:
             raise BackboneError(f"backbone.chat_format: unknown format {chat_format!r}; "
                                 f"known: {', '.join(CHAT_FORMATS)}")
-        kinds = {v: k for k, v in self.MODEL_CLASSES.items()}
-        if type(model).__name__ not in kinds:
-            raise BackboneError(f"unsupported multimodal model class {type(model).__name__}; "
-                                f"supported: {', '.join(self.MODEL_CLASSES.values())}")
-        self.kind = kinds[type(model).__name__]
-        if self.kind == "instructblip" and not model.config.use_decoder_only_language_model:
-            raise BackboneError("InstructBLIP with an encoder-decoder LLM (Flan-T5) is not supported: methods "
-                                "prepend prompts to a decoder-only LLM's input embeddings")
+        if type(model).__name__ != self.model_class:
+            raise BackboneError(f"{type(self).__name__} wraps {self.model_class or 'no model class'}, not "
+                                f"{type(model).__name__} (MLLMBackbone.wrap picks the family)")
+        self.validate(model)
         self.model = model
         self.processor = processor
         self.tokenizer = processor.tokenizer if processor is not None else None  # None: shapes-only use
@@ -108,30 +103,60 @@ class MLLMBackbone(Backbone):
         tok_id = getattr(cfg, "image_token_index", None)
         self.image_token_id = int(tok_id if tok_id is not None else cfg.image_token_id)
         self.hidden_size = int(cfg.text_config.hidden_size)
-        # Qwen2-VL's vision tower has no [CLS]: its query is the mean merged image token (LLM width).
-        self.image_query_dim = self.hidden_size if self.kind == "qwen2_vl" else int(cfg.vision_config.hidden_size)
+        self.image_query_dim = self.pooled_image_dim()
         self.text_query_dim = self.hidden_size
+
+    # -- the families ------------------------------------------------------------------------------
+    @staticmethod
+    def families() -> list[type["MLLMBackbone"]]:
+        """Every registered family (the registry imports each ``mcit/models`` module once)."""
+        BACKBONES.names()
+        out, todo = [], list(MLLMBackbone.__subclasses__())
+        while todo:
+            c = todo.pop()
+            todo += c.__subclasses__()
+            if c.model_class and BACKBONES.get(c.kind) is c:
+                out.append(c)
+        return sorted(out, key=lambda c: c.kind)
+
+    @classmethod
+    def family(cls, *, model_class: str | None = None, model_type: str | None = None) -> type["MLLMBackbone"]:
+        """This class where it is a family, else the family of a transformers class name or config model_type."""
+        if cls.model_class:
+            return cls
+        for fam in MLLMBackbone.families():
+            if model_class == fam.model_class or (model_type is not None and model_type in fam.model_types):
+                return fam
+        known = ", ".join(f"{f.kind} ({f.model_class})" for f in MLLMBackbone.families())
+        raise BackboneError(f"unsupported multimodal model {model_class or model_type}; supported: {known}")
+
+    @classmethod
+    def wrap(cls, model: nn.Module, processor: Any, **kw: Any) -> "MLLMBackbone":
+        """A loaded transformers model in its family's wrapper."""
+        return cls.family(model_class=type(model).__name__)(model, processor, **kw)
+
+    def validate(self, model: nn.Module) -> None:
+        """A family's check of the model it is given (raise BackboneError); none by default."""
+
+    def pooled_image_dim(self) -> int:
+        """The width of the pooled image feature (the prompt methods' image query): the vision tower's."""
+        return int(self.model.config.vision_config.hidden_size)
 
     @classmethod
     def check(cls, path: str) -> None:
         """A local HF directory whose weights fill the family's transformers class exactly (no weight read:
-        ``check_weights``), or, where the directory does not exist, a hub id. A checkpoint in the original
-        LLaVA layout (haotian-liu/LLaVA's ``LlavaLlamaForCausalLM``) is named as such: transformers' class reads
-        its config as LLaVA's defaults and would train a randomly initialised model of another size."""
+        ``check_weights``), or, where the directory does not exist, a hub id."""
         import transformers
 
         check_model_source(path)
-        p = Path(path)
-        if not p.is_dir():
-            return
-        cfg = json.loads((p / "config.json").read_text())
-        if cls.model_kind == "llava" and ("mm_vision_tower" in cfg or "mm_projector_type" in cfg
-                                          or "LlavaLlamaForCausalLM" in (cfg.get("architectures") or [])):
-            raise BackboneError(f"backbone path {path} is an original LLaVA checkpoint (haotian-liu/LLaVA's "
-                                f"LlavaLlamaForCausalLM: mm_projector, vision tower from mm_vision_tower "
-                                f"{cfg.get('mm_vision_tower')!r}), which transformers' LlavaForConditionalGeneration "
-                                f"cannot load: convert it to the llava-hf layout first")
-        check_weights(getattr(transformers, cls.MODEL_CLASSES[cls.model_kind]), path)
+        if Path(path).is_dir():
+            fam = cls.family(model_type=json.loads((Path(path) / "config.json").read_text()).get("model_type"))
+            check_weights(getattr(transformers, fam.model_class), path)
+
+    @classmethod
+    def offline_processor(cls, path: str) -> Any:
+        """The processor where ``AutoProcessor`` cannot build it here (a family's fallback); None: none."""
+        return None
 
     @classmethod
     def from_path(cls, path: str, dtype: torch.dtype = torch.float32, quantization: str = "none",
@@ -139,17 +164,20 @@ class MLLMBackbone(Backbone):
         import transformers
         from transformers import AutoProcessor
 
-        kind = cls.model_kind
-        model_cls = getattr(transformers, cls.MODEL_CLASSES[kind])
         cls.check(path)
-        qc = quantization_config(quantization, dtype, cls.UNQUANTIZED[kind])
+        fam = cls
+        if not cls.model_class:  # the base: the family the checkpoint names
+            p = Path(path) / "config.json"
+            fam = cls.family(model_type=json.loads(p.read_text()).get("model_type") if p.is_file() else None)
+        model_cls = getattr(transformers, fam.model_class)
+        qc = quantization_config(quantization, dtype, fam.unquantized)
         try:
             try:
                 processor = AutoProcessor.from_pretrained(path)
             except Exception:
-                if kind != "qwen2_vl":
+                processor = fam.offline_processor(path)
+                if processor is None:
                     raise
-                processor = ImageTokenProcessor.from_pretrained(path)  # no torchvision: no video processor
             kwargs: dict[str, Any] = {"dtype": dtype}
             if qc is not None:
                 kwargs["quantization_config"] = qc
@@ -157,8 +185,8 @@ class MLLMBackbone(Backbone):
         except BackboneError:
             raise
         except Exception as e:  # noqa: BLE001 - one line naming the path
-            raise BackboneError(f"cannot load {kind} backbone from {path}: {str(e).splitlines()[0]}") from None
-        return cls(model, processor, max_length, chat_format)
+            raise BackboneError(f"cannot load {fam.kind} backbone from {path}: {str(e).splitlines()[0]}") from None
+        return fam(model, processor, max_length, chat_format)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -174,13 +202,12 @@ class MLLMBackbone(Backbone):
     @property
     def language_model(self) -> nn.Module:
         """The decoder-only LLM (where LoRA goes)."""
-        return self.model.language_model if self.kind == "instructblip" else self.model.model.language_model
+        return self.model.model.language_model
 
     @property
-    def _lm(self) -> nn.Module:
-        """What runs on input embeddings and returns logits / generates (LLaVA accepts embeddings alone;
-        InstructBLIP's wrapper would recompute image features, so its causal LM is called directly)."""
-        return self.model.language_model if self.kind == "instructblip" else self.model
+    def causal_lm(self) -> nn.Module:
+        """What runs on input embeddings and returns logits / generates (LLaVA accepts embeddings alone)."""
+        return self.model
 
     # -- data -----------------------------------------------------------------------------------
     def render(self, turns: list[tuple[str, str]], *, train: bool, has_image: bool) -> Any:
@@ -207,30 +234,31 @@ class MLLMBackbone(Backbone):
         most of their time in its argument handling: 33 ms against 11 ms for 64 images of the embedded
         benchmark, the same pixel values; bench/eval_throughput.py), and its outputs are split per sample:
         ``pixel_values`` (Qwen2-VL: the image's patches), ``image_grid_thw``, ``qformer_input_ids`` (unpadded)."""
-        from mcit.models import chat
 
-        plain = self.kind == "instructblip"  # the processor puts the query tokens before BOS
         with_image = [i for i, (_, image) in enumerate(items) if image is not None]
         per_image: dict[int, tuple[dict, int]] = {}
         if with_image:
-            texts = [items[i][0][-1][0].replace(chat.IMAGE, "").strip() if plain else self._image_string()
-                     for i in with_image]
+            texts = [self.processor_text(items[i][0]) for i in with_image]
             enc = self.processor(text=texts, images=[items[i][1] for i in with_image], return_tensors="pt",
                                  padding=True)
             counts = (enc["input_ids"] == self.image_token_id).sum(1).tolist()
-            patches = None
-            if "image_grid_thw" in enc:  # Qwen2-VL: pixel_values are every image's patches, one after another
-                patches = torch.split(enc["pixel_values"], enc["image_grid_thw"].prod(-1).tolist())
-            for row, i in enumerate(with_image):
-                extra: dict[str, Any] = {"pixel_values": enc["pixel_values"][row:row + 1] if patches is None
-                                         else patches[row]}
-                if patches is not None:
-                    extra["image_grid_thw"] = enc["image_grid_thw"][row:row + 1]
-                if "qformer_input_ids" in enc:
-                    keep = enc["qformer_attention_mask"][row].bool()
-                    extra["qformer_input_ids"] = enc["qformer_input_ids"][row][keep][None]
+            for row, (i, extra) in enumerate(zip(with_image, self.image_outputs(enc))):
                 per_image[i] = (extra, int(counts[row]))
         return [self._encode_one(turns, image, per_image.get(i), train=train) for i, (turns, image) in enumerate(items)]
+
+    def image_outputs(self, enc: dict) -> list[dict[str, Any]]:
+        """The processor's outputs for a batch of images, split per image (``pixel_values`` of each)."""
+        return [{"pixel_values": enc["pixel_values"][row:row + 1]} for row in range(len(enc["input_ids"]))]
+
+    def processor_text(self, turns: list[tuple[str, str]]) -> str:
+        """The text the processor gets with a sample's image, to count the image's tokens: the placeholder."""
+        return self._image_string()
+
+    def image_tokens(self, ids: list[int], flags: list[bool], turns: list[tuple[str, str]], has_image: bool,
+                     extra: dict) -> tuple[list[int], list[bool], dict]:
+        """A family's change to a tokenised sample (ids, answer flags, image inputs) before the placeholder is
+        expanded; none by default (the chat format put the placeholder where the family wants it)."""
+        return ids, flags, extra
 
     def _encode_one(self, turns: list[tuple[str, str]], image: Any, processed: tuple[dict, int] | None, *,
                     train: bool) -> tuple[list[int], list[int], dict]:
@@ -244,11 +272,7 @@ class MLLMBackbone(Backbone):
         if has_image:
             assert processed is not None
             extra, n_image = processed
-            if self.kind == "instructblip":
-                ids, flags = [self.image_token_id] + ids, [False] + flags
-        elif self.kind == "instructblip":
-            extra = dict(self.processor.qformer_tokenizer([turns[-1][0]], return_tensors="pt"))
-            extra = {"qformer_input_ids": extra["input_ids"]}
+        ids, flags, extra = self.image_tokens(ids, flags, turns, has_image, extra)
         out_ids, labels = [], []
         for t, f in zip(ids, flags):
             if t == self.image_token_id:
@@ -294,9 +318,7 @@ class MLLMBackbone(Backbone):
         from mcit.data.instructions import decode_instruction
 
         pad_id = int(self.tokenizer.pad_token_id)
-        ids_list, lab_list, pix, keys, meta, has = [], [], [], [], [], []
-        qf_ids: list[list[int]] = []
-        grids: list[torch.Tensor] = []
+        ids_list, lab_list, pix, keys, meta, has, encs = [], [], [], [], [], [], []
         decoded = [decode_instruction(s) for s in samples]
         encoded = self.encode_batch([(rec["turns"], image) for image, rec, _ in decoded], train=train)
         for (image, rec, key), (ids, labels, enc) in zip(decoded, encoded):
@@ -306,13 +328,8 @@ class MLLMBackbone(Backbone):
             ids_list.append(ids)
             lab_list.append(labels)
             has.append(image is not None)
-            if "qformer_input_ids" in enc:
-                qf_ids.append(enc["qformer_input_ids"][0].tolist())
-            if self.kind == "qwen2_vl":  # pixel_values are this image's flattened patches (none: text only)
-                grids.append(enc["image_grid_thw"][0] if image is not None else torch.zeros(3, dtype=torch.long))
-                pix.append(enc["pixel_values"] if image is not None else None)
-            else:
-                pix.append(enc["pixel_values"][0] if image is not None else self._blank_pixels())
+            encs.append(enc)
+            pix.append(self.row_pixels(enc, image is not None))
             keys.append(key)
             meta.append({**{k: v for k, v in rec.items() if k != "turns"}, "key": key})
         L = max(len(x) for x in ids_list)
@@ -327,48 +344,35 @@ class MLLMBackbone(Backbone):
             attn[i, sl] = 1
             labels[i, sl] = torch.tensor(lab)
         inputs = {"input_ids": input_ids, "attention_mask": attn, "has_image": torch.tensor(has)}
-        if qf_ids:  # the Q-Former's own copy of the instruction (InstructBLIP)
-            Lq = max(len(x) for x in qf_ids)
-            qf = torch.zeros(B, Lq, dtype=torch.long)
-            qm = torch.zeros(B, Lq, dtype=torch.long)
-            for i, x in enumerate(qf_ids):
-                qf[i, : len(x)] = torch.tensor(x)
-                qm[i, : len(x)] = 1
-            inputs.update(qformer_input_ids=qf, qformer_attention_mask=qm)
-        if self.kind == "qwen2_vl":  # patches padded to the longest image; image_grid_thw says how many are real
-            width = next((p.shape[1] for p in pix if p is not None), 1)
-            n = max((p.shape[0] for p in pix if p is not None), default=1)
-            pix = [torch.zeros(n, width) if p is None else torch.cat([p, p.new_zeros(n - p.shape[0], width)])
-                   for p in pix]
-            inputs["image_grid_thw"] = torch.stack(grids)  # a text-only row's grid is 0 x 0 x 0
-        return Batch(torch.stack(pix), labels, torch.ones(B), task, keys, inputs=inputs, meta=meta)
+        self.extra_inputs(encs, inputs)
+        return Batch(self.batch_pixels(pix, inputs), labels, torch.ones(B), task, keys, inputs=inputs, meta=meta)
+
+    def extra_inputs(self, encs: list[dict], inputs: dict[str, torch.Tensor]) -> None:
+        """A family's batched inputs beyond ids, mask and pixels, from each row's encoding; none by default."""
+
+    def row_pixels(self, enc: dict, has_image: bool) -> Any:
+        """One row's pixel values from its processor outputs (a text-only row: the blank image)."""
+        return enc["pixel_values"][0] if has_image else self._blank_pixels()
+
+    def batch_pixels(self, rows: list[Any], inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The batch's pixel values from its rows' (a family may add to ``inputs``)."""
+        return torch.stack(rows)
 
 
     # -- compute --------------------------------------------------------------------------------
-    def _vision(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    def image_rows(self, batch: Batch) -> torch.Tensor:
+        """Which rows of the batch carry an image (B,) bool."""
+        has = batch.inputs.get("has_image")
+        n = batch.pixel_values.shape[0]
+        return torch.ones(n, dtype=torch.bool, device=batch.pixel_values.device) if has is None else has
+
+    def vision(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(image features in the LLM's space of the rows with an image (n, N, d), pooled vision feature of
-        every row (B, dv)), one tower pass. Text-only rows: LLaVA and InstructBLIP run their zero image
-        through the tower as LLaVA's training does (its features are inserted nowhere); Qwen2-VL has no
-        patches for them and their pooled feature is zero."""
+        every row (B, dv)), one tower pass. Text-only rows run their zero image through the tower as LLaVA's
+        training does (its features are inserted nowhere)."""
         cfg = self.model.config
         pixel_values = batch.pixel_values
-        has = batch.inputs.get("has_image")
-        has = torch.ones(pixel_values.shape[0], dtype=torch.bool, device=pixel_values.device) if has is None else has
-        if self.kind == "qwen2_vl":
-            rows = has.nonzero().flatten().tolist()
-            grid = batch.inputs["image_grid_thw"][has]
-            pooled = pixel_values.new_zeros(pixel_values.shape[0], self.image_query_dim, dtype=self.dtype)
-            if not rows:
-                return pooled.new_zeros(0, 1, self.hidden_size), pooled
-            counts = grid.prod(-1).tolist()
-            flat = torch.cat([pixel_values[i, :c] for i, c in zip(rows, counts)]).to(self.dtype)
-            parts = self.model.model.get_image_features(flat, grid, return_dict=True).pooler_output
-            pooled[rows] = torch.stack([p.mean(0) for p in parts]).to(pooled.dtype)
-            return torch.cat(list(parts)), pooled
-        if self.kind == "instructblip":
-            out = self.model.get_image_features(pixel_values.to(self.dtype), batch.inputs["qformer_input_ids"],
-                                                batch.inputs["qformer_attention_mask"], return_dict=True)
-            return out.pooler_output[has], out.vision_outputs.pooler_output
+        has = self.image_rows(batch)
         tower = self.model.model.vision_tower
         out = tower(pixel_values.to(self.dtype), output_hidden_states=True)
         layer = cfg.vision_feature_layer
@@ -387,7 +391,7 @@ class MLLMBackbone(Backbone):
         """The LLM's multimodal input embeddings (B, L, d) and the pooled image feature (B, dv)."""
         ids = batch.inputs["input_ids"]
         embeds = self.model.get_input_embeddings()(ids)
-        feats, pooled = self._vision(batch)
+        feats, pooled = self.vision(batch)
         mask = ids == self.image_token_id
         n_feats = feats.numel() // feats.shape[-1]
         if int(mask.sum()) != n_feats:
@@ -407,18 +411,9 @@ class MLLMBackbone(Backbone):
 
     @torch.no_grad()
     def positions(self, batch: Batch) -> torch.Tensor | None:
-        """Qwen2-VL's 3-D M-RoPE positions (3, B, L) of the batch's tokens; None where the model's
-        default positions apply."""
-        if self.kind != "qwen2_vl":
-            return None
-        ids = batch.inputs["input_ids"]
-        grid = batch.inputs["image_grid_thw"]
-        has = batch.inputs.get("has_image")
-        grid = grid if has is None else grid[has]
-        pos, _ = self.model.model.get_rope_index(ids, (ids == self.image_token_id).int(),
-                                                 image_grid_thw=grid if len(grid) else None,
-                                                 attention_mask=batch.inputs["attention_mask"])
-        return pos
+        """Explicit position ids of the batch's tokens (a family with its own, e.g. M-RoPE); None: the
+        model's default positions."""
+        return None
 
     @staticmethod
     def insert_prompts(embeds: torch.Tensor, attention_mask: torch.Tensor, prompts: torch.Tensor | None,
@@ -450,7 +445,7 @@ class MLLMBackbone(Backbone):
                 positions: torch.Tensor | None = None) -> torch.Tensor:
         """Per-sample mean cross-entropy over the answer tokens (B,)."""
         extra = {} if positions is None else {"position_ids": positions}
-        out = self._lm(inputs_embeds=embeds, attention_mask=attention_mask, use_cache=False, **extra)
+        out = self.causal_lm(inputs_embeds=embeds, attention_mask=attention_mask, use_cache=False, **extra)
         logits = out.logits[:, :-1].float()
         target = labels[:, 1:]
         ce = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
@@ -464,10 +459,10 @@ class MLLMBackbone(Backbone):
         """Batched greedy decoding with the KV cache; the decoded answers without special tokens."""
         if positions is not None:
             return self._greedy_with_positions(embeds, attention_mask, positions, max_new_tokens)
-        out = self._lm.generate(inputs_embeds=embeds, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
-                                  do_sample=False, num_beams=1, use_cache=True,
-                                  pad_token_id=int(self.tokenizer.pad_token_id),
-                                  eos_token_id=int(self.tokenizer.eos_token_id))
+        out = self.causal_lm.generate(inputs_embeds=embeds, attention_mask=attention_mask,
+                                      max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, use_cache=True,
+                                      pad_token_id=int(self.tokenizer.pad_token_id),
+                                      eos_token_id=int(self.tokenizer.eos_token_id))
         return [t.strip() for t in self.tokenizer.batch_decode(out, skip_special_tokens=True)]
 
 
@@ -497,75 +492,6 @@ class MLLMBackbone(Backbone):
         seqs = torch.stack(tokens, 1).tolist()
         return [t.strip() for t in self.tokenizer.batch_decode(
             [[x for x in row[: row.index(eos) if eos in row else len(row)]] for row in seqs], skip_special_tokens=True)]
-
-
-class ImageTokenProcessor:
-    """The part of a VLM processor the wrapper uses, assembled from a checkpoint's tokenizer (with its
-    chat template) and image processor: image-token expansion by ``image_grid_thw``, as
-    Qwen2VLProcessor does it. Used only where the full processor cannot be built: transformers 5.23's
-    Qwen2VLProcessor requires a video processor, which requires torchvision (absent on CPU machines)."""
-
-    def __init__(self, tokenizer: Any, image_processor: Any, chat_template: str | None = None) -> None:
-        self.tokenizer = tokenizer
-        self.image_processor = image_processor
-        self.chat_template = chat_template or tokenizer.chat_template
-        self.image_token = getattr(tokenizer, "image_token", None) or "<|image_pad|>"
-
-    @classmethod
-    def from_pretrained(cls, path: str) -> "ImageTokenProcessor":
-        from transformers import AutoTokenizer
-        from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
-
-        template = Path(path) / "chat_template.jinja"
-        return cls(AutoTokenizer.from_pretrained(path), Qwen2VLImageProcessorPil.from_pretrained(path),
-                   template.read_text() if template.is_file() else None)
-
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False,
-                            tokenize: bool = False) -> str:
-        return self.tokenizer.apply_chat_template(messages, chat_template=self.chat_template, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
-
-    def __call__(self, text: list[str], images: list[Any], return_tensors: str = "pt",
-                 padding: bool | str = True) -> dict[str, torch.Tensor]:
-        img = self.image_processor(images=images, return_tensors=return_tensors)
-        merge = self.image_processor.merge_size ** 2
-        counts = iter((img["image_grid_thw"].prod(-1) // merge).tolist())
-        expanded = []
-        for t in text:
-            parts = t.split(self.image_token)
-            out = parts[0]
-            for rest in parts[1:]:
-                out += self.image_token * next(counts) + rest
-            expanded.append(out)
-        enc = self.tokenizer(expanded, return_tensors=return_tensors, padding=padding)
-        return {**enc, "pixel_values": img["pixel_values"], "image_grid_thw": img["image_grid_thw"]}
-
-    def save_pretrained(self, path: str | Path) -> None:
-        self.tokenizer.save_pretrained(path)
-        self.image_processor.save_pretrained(path)
-        if self.chat_template:
-            (Path(path) / "chat_template.jinja").write_text(self.chat_template)
-
-
-@BACKBONES.register("llava")
-class LlavaBackbone(MLLMBackbone):
-    """LLaVA / LLaVA-1.5 (LlavaForConditionalGeneration)."""
-
-    model_kind = "llava"
-
-
-@BACKBONES.register("instructblip")
-class InstructBlipBackbone(MLLMBackbone):
-    """InstructBLIP with a decoder-only LLM (InstructBlipForConditionalGeneration)."""
-
-    model_kind = "instructblip"
-
-
-@BACKBONES.register("qwen2_vl")
-class Qwen2VLBackbone(MLLMBackbone):
-    """Qwen2-VL (Qwen2VLForConditionalGeneration)."""
-
-    model_kind = "qwen2_vl"
 
 
 # llava-hf/llava-1.5-7b-hf's architecture (CLIP ViT-L/14-336 + Vicuna-7B), for building it without weights.
@@ -599,4 +525,4 @@ def build_empty(source: str | dict = "llava-1.5-7b") -> MLLMBackbone:
 
     with init_empty_weights():
         model = LlavaForConditionalGeneration(llava_config(source))
-    return MLLMBackbone(model, None)
+    return MLLMBackbone.wrap(model, None)

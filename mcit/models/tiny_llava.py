@@ -145,7 +145,7 @@ def build_qwen2_vl(tokenizer: Any, *, image_size: int = 32, patch_size: int = 4,
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
     from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
 
-    from mcit.models.mllm import ImageTokenProcessor
+    from mcit.models.qwen2_vl import ImageTokenProcessor
 
     image_token_id = tokenizer.convert_tokens_to_ids(image_token)
     start = tokenizer.convert_tokens_to_ids(vision_start) if vision_start else tokenizer.bos_token_id

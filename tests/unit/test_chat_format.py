@@ -47,7 +47,7 @@ def vicuna_llava():
     tok.chat_template = CHAT_TEMPLATE
     model = build_model(tok, image_size=16, patch_size=8, vision_hidden=32, vision_layers=1, text_hidden=32,
                         text_layers=1)
-    return MLLMBackbone(model, build_processor(tok, image_size=16, patch_size=8), chat_format="vicuna_v1")
+    return MLLMBackbone.wrap(model, build_processor(tok, image_size=16, patch_size=8), chat_format="vicuna_v1")
 
 
 def llava_tokenizer_image_token(prompt: str, tokenizer, image_index: int) -> list[int]:

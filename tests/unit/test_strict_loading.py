@@ -57,7 +57,7 @@ def test_a_vit_pooler_is_dropped_on_purpose_but_any_other_extra_key_is_refused(a
 def test_a_llava_directory_whose_config_does_not_match_its_weights_is_refused(mcit_assets, tmp_path):
     """The silent failure the issue names: a config that builds another model than the weights describe
     (e.g. LLaVA's defaults read from a directory whose keys say otherwise) must not load as random weights."""
-    from mcit.models.mllm import LlavaBackbone
+    from mcit.models.llava import LlavaBackbone
 
     LlavaBackbone.check(str(mcit_assets["backbone"]))
     bad = tmp_path / "llava"

@@ -1,0 +1,41 @@
+"""LLaVA / LLaVA-1.5 in transformers' layout (llava-hf, ``LlavaForConditionalGeneration``): the base's defaults.
+
+What is its own: the checkpoints it refuses by name. A directory in the original LLaVA layout (haotian-liu/LLaVA's
+``LlavaLlamaForCausalLM``: Llama keys at the top level, ``model.mm_projector``, the vision tower named by
+``mm_vision_tower``) is read by transformers' ``LlavaConfig`` as LLaVA's defaults, so it would build a model of
+another size with random weights.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from mcit.core.registry import BACKBONES
+from mcit.models.base import BackboneError
+from mcit.models.mllm import MLLMBackbone
+
+
+@BACKBONES.register("llava")
+class LlavaBackbone(MLLMBackbone):
+    """LLaVA / LLaVA-1.5 (LlavaForConditionalGeneration)."""
+
+    kind = "llava"
+    model_class = "LlavaForConditionalGeneration"
+    model_types = ("llava",)
+    unquantized = ("lm_head", ".*vision_tower", ".*multi_modal_projector")
+
+    @classmethod
+    def check(cls, path: str) -> None:
+        """The base's strict check, after naming an original-layout LLaVA checkpoint as such."""
+        cfg_file = Path(path) / "config.json"
+        if cfg_file.is_file():
+            cfg = json.loads(cfg_file.read_text())
+            if ("mm_vision_tower" in cfg or "mm_projector_type" in cfg
+                    or "LlavaLlamaForCausalLM" in (cfg.get("architectures") or [])):
+                raise BackboneError(f"backbone path {path} is an original LLaVA checkpoint (haotian-liu/LLaVA's "
+                                    f"LlavaLlamaForCausalLM: mm_projector, vision tower from mm_vision_tower "
+                                    f"{cfg.get('mm_vision_tower')!r}), which transformers' "
+                                    f"LlavaForConditionalGeneration cannot load: convert it to the llava-hf layout "
+                                    f"first")
+        super().check(path)
