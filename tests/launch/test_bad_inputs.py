@@ -240,11 +240,11 @@ def build_case(case: str, assets, work: Path, cfg: Path, done: Path, open_dir: P
     if case == "backbone_broken_config":
         (backbone / "config.json").write_text("{")
         return run([f"backbone.path={backbone}"], str(backbone))
-    if case == "backbone_broken_weights":  # the weights are read when the model is built: launched
+    if case == "backbone_broken_weights":  # pre-flight reads the weights' header (strict loading): exit 2, launched
         f = next(backbone.glob("*.safetensors"))
         f.write_bytes(f.read_bytes()[:100])
         return Bad("run_task_sequence", ["--config", str(cfg), f"run_dir={work / 'runs' / 'fresh_weights'}",
-                                         f"backbone.path={backbone}"], str(backbone), rc=1, launched=True)
+                                         f"backbone.path={backbone}"], str(backbone), rc=2, launched=True)
     # -- evaluate.py arguments -----------------------------------------------------------------------------
     if case == "evaluate_not_a_run":
         return ev(["--run", str(work / "no_such_run")], "is not a run directory")
