@@ -121,7 +121,14 @@ class Backbone(nn.Module, metaclass=ABCMeta):
 
     @classmethod
     def check(cls, path: str | Path) -> None:
-        """Pre-flight check of a checkpoint directory; raise a one-line BackboneError naming the path."""
+        """Pre-flight check of a checkpoint directory; raise a one-line BackboneError naming the path. A class
+        that loads strictly adds ``check_weights`` here; ``from_path`` runs only ``check_files`` (its load is
+        the weight check), so the weights are not checked twice on every rank."""
+        cls.check_files(path)
+
+    @classmethod
+    def check_files(cls, path: str | Path) -> None:
+        """The cheap part of ``check`` (files and config, no weights), also run before every load."""
         check_hf_dir(path)
 
     @classmethod
@@ -291,7 +298,7 @@ class PromptableImageEncoder(Backbone):
     # -- shared ------------------------------------------------------------------------------------
     @classmethod
     def from_path(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> "PromptableImageEncoder":
-        cls.check(path)
+        cls.check_files(path)  # the load below is strict: no separate weight check
         try:
             model, extras = cls.load_model(path, dtype)
         except Exception as e:  # noqa: BLE001 - surface as one line naming the path

@@ -42,6 +42,14 @@ class CLIPBackbone(PromptableImageEncoder):
 
     @classmethod
     def check(cls, path: str | Path) -> None:
+        """An HF CLIP checkpoint directory with a tokenizer, whose weights fill ``CLIPModel`` exactly."""
+        from transformers import CLIPModel
+
+        cls.check_files(path)
+        check_weights(CLIPModel, path)
+
+    @classmethod
+    def check_files(cls, path: str | Path) -> None:
         """An HF CLIP checkpoint directory with a tokenizer."""
         cfg = check_hf_dir(path)
         if cfg.get("model_type") != "clip":
@@ -50,9 +58,6 @@ class CLIPBackbone(PromptableImageEncoder):
         p = Path(path)
         if not any((p / f).is_file() for f in ("tokenizer.json", "vocab.json", "tokenizer_config.json")):
             raise BackboneError(f"backbone path {path} has no tokenizer files (tokenizer.json or vocab.json)")
-        from transformers import CLIPModel
-
-        check_weights(CLIPModel, path)
 
     @staticmethod
     def vision_config(model: nn.Module) -> Any:

@@ -26,8 +26,8 @@ class LlavaBackbone(MLLMBackbone):
     unquantized = ("lm_head", ".*vision_tower", ".*multi_modal_projector")
 
     @classmethod
-    def check(cls, path: str) -> None:
-        """The base's strict check, after naming an original-layout LLaVA checkpoint as such."""
+    def check_files(cls, path: str) -> None:
+        """The base's file check, after naming an original-layout LLaVA checkpoint as such."""
         cfg_file = Path(path) / "config.json"
         if cfg_file.is_file():
             cfg = json.loads(cfg_file.read_text())
@@ -38,4 +38,4 @@ class LlavaBackbone(MLLMBackbone):
                                     f"{cfg.get('mm_vision_tower')!r}), which transformers' "
                                     f"LlavaForConditionalGeneration cannot load: convert it to the llava-hf layout "
                                     f"first")
-        super().check(path)
+        super().check_files(path)

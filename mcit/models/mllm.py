@@ -148,10 +148,15 @@ class MLLMBackbone(Backbone):
         ``check_weights``), or, where the directory does not exist, a hub id."""
         import transformers
 
-        check_model_source(path)
+        cls.check_files(path)
         if Path(path).is_dir():
             fam = cls.family(model_type=json.loads((Path(path) / "config.json").read_text()).get("model_type"))
             check_weights(getattr(transformers, fam.model_class), path)
+
+    @classmethod
+    def check_files(cls, path: str) -> None:
+        """A local HF directory (config.json present) or, where the directory does not exist, a hub id."""
+        check_model_source(path)
 
     @classmethod
     def offline_processor(cls, path: str) -> Any:
@@ -164,7 +169,7 @@ class MLLMBackbone(Backbone):
         import transformers
         from transformers import AutoProcessor
 
-        cls.check(path)
+        cls.check_files(path)  # the load below is strict: no separate weight check
         fam = cls
         if not cls.model_class:  # the base: the family the checkpoint names
             p = Path(path) / "config.json"

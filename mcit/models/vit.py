@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from mcit.core.registry import BACKBONES
-from mcit.models.base import PromptableImageEncoder, check_hf_dir, check_weights, strict_from_pretrained
+from mcit.models.base import PromptableImageEncoder, check_weights, strict_from_pretrained
 
 
 @BACKBONES.register("vit")
@@ -26,7 +26,7 @@ class ViTBackbone(PromptableImageEncoder):
         """An HF ViT directory whose weights fill ``ViTModel`` (no pooler) exactly."""
         from transformers import ViTModel
 
-        check_hf_dir(path)
+        cls.check_files(path)
         check_weights(ViTModel, path, ignore_unexpected=cls.DROPPED, add_pooling_layer=False)
 
     @classmethod
