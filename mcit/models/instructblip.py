@@ -27,6 +27,12 @@ class InstructBlipBackbone(MLLMBackbone):
     model_types = ("instructblip",)
     unquantized = ("lm_head", ".*vision_model", ".*qformer", ".*language_projection")
 
+    @classmethod
+    def tiny(cls, texts: list[str], seed: int = 0) -> tuple[nn.Module, Any]:
+        from mcit.models.tiny_llava import build_instructblip, train_tokenizer
+
+        return build_instructblip(train_tokenizer(texts, image_token_attribute=False), seed=seed)
+
     def validate(self, model: nn.Module) -> None:
         if not model.config.use_decoder_only_language_model:
             raise BackboneError("InstructBLIP with an encoder-decoder LLM (Flan-T5) is not supported: methods "
@@ -72,6 +78,15 @@ class InstructBlipBackbone(MLLMBackbone):
             qf[i, : len(x)] = torch.tensor(x)
             qm[i, : len(x)] = 1
         inputs.update(qformer_input_ids=qf, qformer_attention_mask=qm)
+
+    def model_inputs(self, batch: Batch) -> dict[str, Any]:
+        """The base's, with the Q-Former's copy of each image row's instruction."""
+        out = super().model_inputs(batch)
+        if "pixel_values" in out:
+            has = self.image_rows(batch)
+            out["qformer_input_ids"] = batch.inputs["qformer_input_ids"][has]
+            out["qformer_attention_mask"] = batch.inputs["qformer_attention_mask"][has]
+        return out
 
     def vision(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """The Q-Former's query outputs (projected) of the rows with an image, and the vision tower's pooled

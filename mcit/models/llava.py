@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
+
+from torch import nn
 
 from mcit.core.registry import BACKBONES
 from mcit.models.base import BackboneError
@@ -39,3 +42,10 @@ class LlavaBackbone(MLLMBackbone):
                                     f"LlavaForConditionalGeneration cannot load: convert it to the llava-hf layout "
                                     f"first")
         super().check_files(path)
+
+    @classmethod
+    def tiny(cls, texts: list[str], seed: int = 0) -> tuple[nn.Module, Any]:
+        from mcit.models.tiny_llava import build_model, build_processor, train_tokenizer
+
+        tok = train_tokenizer(texts)
+        return build_model(tok, seed=seed), build_processor(tok, image_size=32, patch_size=8)

@@ -159,6 +159,13 @@ class MLLMBackbone(Backbone):
         check_model_source(path)
 
     @classmethod
+    def tiny(cls, texts: list[str], seed: int = 0) -> tuple[nn.Module, Any]:
+        """A tiny model of the family built from its config classes (random weights from ``seed``) and its
+        processor, with a tokenizer trained on ``texts``: what the family tests and the launcher runs load
+        (``save_pretrained`` both into one directory). Every family provides one."""
+        raise NotImplementedError(f"family {cls.kind or cls.__name__} has no tiny model (MLLMBackbone.tiny)")
+
+    @classmethod
     def offline_processor(cls, path: str) -> Any:
         """The processor where ``AutoProcessor`` cannot build it here (a family's fallback); None: none."""
         return None
@@ -364,6 +371,16 @@ class MLLMBackbone(Backbone):
         return torch.stack(rows)
 
 
+    def model_inputs(self, batch: Batch) -> dict[str, Any]:
+        """The batch as transformers' own forward / ``generate`` of the model take it (ids with the image tokens
+        expanded, mask, the image rows' pixels and the family's extras): the reference the wrapper's logits and
+        generation are tested against, and a way to run the checkpoint without any method."""
+        has = self.image_rows(batch)
+        out = {"input_ids": batch.inputs["input_ids"], "attention_mask": batch.inputs["attention_mask"]}
+        if bool(has.any()):
+            out["pixel_values"] = batch.pixel_values[has].to(self.dtype)
+        return out
+
     # -- compute --------------------------------------------------------------------------------
     def image_rows(self, batch: Batch) -> torch.Tensor:
         """Which rows of the batch carry an image (B,) bool."""
@@ -446,12 +463,16 @@ class MLLMBackbone(Backbone):
         return (torch.stack(rows), torch.stack(masks), (torch.stack(labs) if labels is not None else None),
                 (torch.stack(poss, 1) if positions is not None else None))
 
-    def lm_loss(self, embeds: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Per-sample mean cross-entropy over the answer tokens (B,)."""
+    def logits(self, embeds: torch.Tensor, attention_mask: torch.Tensor, positions: Any = None) -> torch.Tensor:
+        """The LLM's next-token logits (B, L, V) on input embeddings (``positions``: what ``positions`` gave,
+        moved by ``insert_prompts``)."""
         extra = {} if positions is None else {"position_ids": positions}
-        out = self.causal_lm(inputs_embeds=embeds, attention_mask=attention_mask, use_cache=False, **extra)
-        logits = out.logits[:, :-1].float()
+        return self.causal_lm(inputs_embeds=embeds, attention_mask=attention_mask, use_cache=False, **extra).logits
+
+    def lm_loss(self, embeds: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor,
+                positions: Any = None) -> torch.Tensor:
+        """Per-sample mean cross-entropy over the answer tokens (B,)."""
+        logits = self.logits(embeds, attention_mask, positions)[:, :-1].float()
         target = labels[:, 1:]
         ce = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
                                          ignore_index=-100, reduction="none").view(target.shape)

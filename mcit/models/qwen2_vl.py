@@ -76,6 +76,12 @@ class Qwen2VLBackbone(MLLMBackbone):
     unquantized = ("lm_head", ".*visual")
 
     @classmethod
+    def tiny(cls, texts: list[str], seed: int = 0) -> tuple[Any, Any]:
+        from mcit.models.tiny_llava import build_qwen2_vl, train_tokenizer
+
+        return build_qwen2_vl(train_tokenizer(texts), seed=seed)
+
+    @classmethod
     def offline_processor(cls, path: str) -> Any:
         return ImageTokenProcessor.from_pretrained(path)  # no torchvision: no video processor
 
@@ -119,6 +125,21 @@ class Qwen2VLBackbone(MLLMBackbone):
         parts = self.model.model.get_image_features(flat, grid, return_dict=True).pooler_output
         pooled[rows] = torch.stack([p.mean(0) for p in parts]).to(pooled.dtype)
         return torch.cat(list(parts)), pooled
+
+    def model_inputs(self, batch: Batch) -> dict[str, Any]:
+        """transformers' own inputs: every image's patches one after another, the grids of the rows with an image,
+        and the token types (1: image token) its M-RoPE index reads."""
+        has = self.image_rows(batch)
+        ids = batch.inputs["input_ids"]
+        out = {"input_ids": ids, "attention_mask": batch.inputs["attention_mask"],
+               "mm_token_type_ids": (ids == self.image_token_id).int()}
+        if bool(has.any()):
+            grid = batch.inputs["image_grid_thw"][has]
+            rows = has.nonzero().flatten().tolist()
+            out["pixel_values"] = torch.cat([batch.pixel_values[i, :c] for i, c in zip(rows, grid.prod(-1).tolist())]
+                                            ).to(self.dtype)
+            out["image_grid_thw"] = grid
+        return out
 
     @torch.no_grad()
     def positions(self, batch: Batch) -> torch.Tensor | None:

@@ -26,19 +26,22 @@ CHAT_TEMPLATE = (
 )
 
 
-def train_tokenizer(texts: list[str], image_token_attribute: bool = True) -> Any:
+def train_tokenizer(texts: list[str], image_token_attribute: bool = True, extra_specials: tuple[str, ...] = (),
+                    chat_template: str | None = CHAT_TEMPLATE) -> Any:
     """A word-level tokenizer over ``texts`` with LLaVA's special tokens, as PreTrainedTokenizerFast.
 
     ``image_token_attribute=False`` leaves out the ``image_token`` attribute: InstructBlipProcessor
     then registers ``<image>`` itself (transformers 5.23's processor expects that attribute to be an
-    AddedToken, and a tokenizer that declares it as a string breaks it)."""
+    AddedToken, and a tokenizer that declares it as a string breaks it). ``extra_specials``: a family's own
+    special tokens (Qwen's ``<|im_start|>``, InternVL's ``<img>``), after LLaVA's; ``chat_template``: the
+    tokenizer's template (LLaVA-1.5's by default)."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.WordLevel(unk_token=SPECIAL["unk"]))
     tok.normalizer = normalizers.Lowercase()
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
-    specials = [SPECIAL[k] for k in ("pad", "bos", "eos", "unk", "image")]
+    specials = [SPECIAL[k] for k in ("pad", "bos", "eos", "unk", "image")] + list(extra_specials)
     tok.train_from_iterator(texts, trainers.WordLevelTrainer(special_tokens=specials, min_frequency=1))
     bos = tok.token_to_id(SPECIAL["bos"])
     tok.post_processor = processors.TemplateProcessing(single=f"{SPECIAL['bos']} $A", pair=f"{SPECIAL['bos']} $A $B",
@@ -46,7 +49,7 @@ def train_tokenizer(texts: list[str], image_token_attribute: bool = True) -> Any
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=SPECIAL["bos"], eos_token=SPECIAL["eos"], unk_token=SPECIAL["unk"],
-        pad_token=SPECIAL["pad"], padding_side="right", chat_template=CHAT_TEMPLATE if image_token_attribute else None,
+        pad_token=SPECIAL["pad"], padding_side="right", chat_template=chat_template if image_token_attribute else None,
         **({"extra_special_tokens": {"image_token": SPECIAL["image"]}} if image_token_attribute else {}))
 
 
