@@ -1,9 +1,10 @@
 """Conversation formats of the multimodal LLMs: an instruction sample's turns -> token ids and loss mask.
 
 * ``vicuna_v1``: LLaVA-1.5's conversation, the one it was trained with and CoIN / MCITlib evaluate with
-  (haotian-liu/LLaVA ``llava/conversation.py`` ``conv_vicuna_v1``, ``SeparatorStyle.TWO``): the system
-  prompt, then ``USER: <question> ASSISTANT: <answer></s>`` per turn (" " after a user turn, the EOS
-  string after an assistant turn); with an image, ``<image>\\n`` opens the first question (LLaVA's
+  (haotian-liu/LLaVA ``llava/conversation.py`` ``conv_vicuna_v1`` = ``conv_templates['v1']``, which LLaVA-1.5's
+  fine-tuning used; ``SeparatorStyle.TWO``): its system prompt ("a curious user"; the "curious human" one is
+  ``conv_llava_v1``'s, another template), then ``USER: <question> ASSISTANT: <answer></s>`` per turn (" " after
+  a user turn, the EOS string after an assistant turn); with an image, ``<image>\\n`` opens the first question (LLaVA's
   ``preprocess_multimodal`` moves it there); a prompt to generate from ends in ``ASSISTANT:``. Tokenised
   as LLaVA's ``tokenizer_image_token``: the text before and after the image placeholder each tokenised
   on its own (each with BOS, kept only for the first piece) around one image token.
@@ -24,8 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 CHAT_FORMATS = ("processor", "vicuna_v1")
-VICUNA_V1_SYSTEM = ("A chat between a curious human and an artificial intelligence assistant. "
-                    "The assistant gives helpful, detailed, and polite answers to the human's questions.")
+VICUNA_V1_SYSTEM = ("A chat between a curious user and an artificial intelligence assistant. "
+                    "The assistant gives helpful, detailed, and polite answers to the user's questions.")
 IMAGE = "<image>"  # the placeholder in stored questions and in LLaVA's conversation
 
 

@@ -39,8 +39,9 @@ class LlavaBackbone(MLLMBackbone):
                 raise BackboneError(f"backbone path {path} is an original LLaVA checkpoint (haotian-liu/LLaVA's "
                                     f"LlavaLlamaForCausalLM: mm_projector, vision tower from mm_vision_tower "
                                     f"{cfg.get('mm_vision_tower')!r}), which transformers' "
-                                    f"LlavaForConditionalGeneration cannot load: convert it to the llava-hf layout "
-                                    f"first")
+                                    f"LlavaForConditionalGeneration cannot load: convert it once with `python -m "
+                                    f"data_prep.convert_llava --llava {path} --clip <CLIP directory> --out <new "
+                                    f"directory>`")
         super().check_files(path)
 
     @classmethod

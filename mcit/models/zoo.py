@@ -171,8 +171,26 @@ ZOO: dict[str, ZooEntry] = {e.tag: e for e in [
     ZooEntry("llava_v1.5_7b", "llava", "hf", {"text_hidden_size": 4096, "text_num_hidden_layers": 32},
              CLIP_MEAN, CLIP_STD, "bicubic", resize=336, preprocessing_source="its CLIPImageProcessor (336)",
              papers="Fwd-Prompt, CoIN, MCITlib (LLaVA-1.5-7B)",
-             obtain="the HF directory llava-hf/llava-1.5-7b-hf", layer_norm_eps=1e-5),
+             obtain="the HF directory llava-hf/llava-1.5-7b-hf, or an original one converted by "
+                    "python -m data_prep.convert_llava", layer_norm_eps=1e-5),
+    ZooEntry("llava_v1.5_13b", "llava", "hf", {"text_hidden_size": 5120, "text_num_hidden_layers": 40},
+             CLIP_MEAN, CLIP_STD, "bicubic", resize=336, preprocessing_source="its CLIPImageProcessor (336)",
+             papers="LLaVA-1.5-13B (MCITlib's larger backbone)",
+             obtain="the HF directory llava-hf/llava-1.5-13b-hf, or an original one converted by "
+                    "python -m data_prep.convert_llava", layer_norm_eps=1e-5),
+    *[ZooEntry(f"llava_v1.5_{size}_original", "llava", "llava_original", arch, CLIP_MEAN, CLIP_STD, "bicubic",
+               resize=336, preprocessing_source="LLaVA's expand2square + CLIPImageProcessor (336)",
+               papers="MCITlib (liuhaotian/llava-v1.5-*), CoIN (Vicuna-v1.5 + the pre-training mm_projector.bin)",
+               obtain=f"liuhaotian/llava-v1.5-{size} and openai/clip-vit-large-patch14-336 (or lmsys/vicuna-{size}-v1.5 "
+                      f"+ liuhaotian/llava-v1.5-mlp2x-336px-pretrain-vicuna-{size}-v1.5's mm_projector.bin)",
+               extra={"converted_tag": f"llava_v1.5_{size}"})
+      for size, arch in (("7b", {"text_hidden_size": 4096, "text_num_hidden_layers": 32}),
+                         ("13b", {"text_hidden_size": 5120, "text_num_hidden_layers": 40}))],
 ]}
+
+# Formats no run loads directly: one offline conversion makes a transformers directory of them.
+CONVERT_OFFLINE = {"llava_original": "python -m data_prep.convert_llava --llava {path} --clip <CLIP directory> "
+                                     "--out <new directory>"}
 
 
 def close_tags(tag: str) -> list[str]:
@@ -647,6 +665,10 @@ def resolve(kind: str, tag: str, path: str, cache_dir: str, tokenizer: str | Non
     e = ZOO[tag]
     if e.kind != kind:
         raise BackboneError(f"backbone.tag {tag!r} is a {e.kind} backbone but backbone.kind is {kind}")
+    if e.format in CONVERT_OFFLINE:
+        raise BackboneError(f"backbone tag {tag!r} is the original {e.format} layout, which no run loads: convert it "
+                            f"once with `{CONVERT_OFFLINE[e.format].format(path=p)}` and use tag "
+                            f"{e.extra['converted_tag']} with the new directory")
     if _hf_dir(p):
         _check_hf_arch(e, p)
         return p, {"tag": tag, "format": "hf", "source": str(p), "sha256": cached_sha256(p, cache),

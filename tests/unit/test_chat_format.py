@@ -10,8 +10,8 @@ import json
 import pytest
 import torch
 
-SYSTEM = ("A chat between a curious human and an artificial intelligence assistant. "
-          "The assistant gives helpful, detailed, and polite answers to the human's questions.")
+SYSTEM = ("A chat between a curious user and an artificial intelligence assistant. "
+          "The assistant gives helpful, detailed, and polite answers to the user's questions.")
 IGNORE = -100
 
 

@@ -97,14 +97,16 @@ def original_llava_dir(path: Path) -> Path:
     return path
 
 
-def test_an_original_llava_checkpoint_given_to_a_config_fails_preflight_in_one_line(mcit_assets, tmp_path):
+@pytest.mark.parametrize("tag", ["local", "llava_v1.5_7b_original"])
+def test_an_original_llava_checkpoint_given_to_a_config_fails_preflight_in_one_line(mcit_assets, tmp_path, tag):
+    """Under any tag, and under the zoo's tag for the original layout, pre-flight names the converter to run."""
     original = original_llava_dir(tmp_path / "llava-v1.5-tiny")
-    cfg = mcit_config(mcit_assets, tmp_path, backbone={"kind": "llava", "path": str(original), "tag": "local"})
+    cfg = mcit_config(mcit_assets, tmp_path, backbone={"kind": "llava", "path": str(original), "tag": tag})
     res = run_main(["--config", str(cfg)])
     assert res.returncode == 2, res.stderr
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: ") and "original LLaVA checkpoint" in lines[0]
-    assert str(original) in lines[0] and "llava-hf layout" in lines[0]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "original" in lines[0]
+    assert str(original) in lines[0] and "python -m data_prep.convert_llava --llava" in lines[0]
     assert not (tmp_path / "runs" / "mcit").exists()  # nothing written, nothing trained
 
 
