@@ -28,8 +28,9 @@ class BackboneConfig(_Strict):
     """The frozen pre-trained model. ``path`` is a local directory in HF format (``config.json``), or a
     hub id (``org/name``) where the machine has network."""
 
-    kind: str = Field("vit", description="a registered backbone kind (mcit.models: vit, clip, llava, instructblip, "
-                                         "qwen2_vl, or one a module registers before the run)")
+    kind: str = Field("vit", description="a registered backbone kind (mcit.models: vit, clip, and the multimodal "
+                                         "LLM families llava, instructblip, qwen2_vl, qwen2_5_vl, qwen3_vl, internvl, "
+                                         "llava_onevision; or one a module registers before the run)")
     path: str
     tag: str = Field("local", description="a backbone zoo tag (mcit.models.zoo: `path` may then be the original "
                                           "checkpoint file, converted once and checked), or a free-form name for "

@@ -59,17 +59,19 @@ def quiet_libraries() -> None:
 
 def log_to(path: Path) -> Path:
     """Write what was kept so far, and everything after, to ``path`` (appended: a resumed run's earlier
-    lines stay). Returns ``path``."""
+    lines stay). Called again (another run in the same process), the log moves to the new ``path``.
+    Returns ``path``."""
     quiet_libraries()
     path.parent.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(path, mode="a", encoding="utf-8")
     handler.setFormatter(logging.Formatter(_FORMAT))
-    buffer: logging.handlers.MemoryHandler = _state["buffer"]  # type: ignore[assignment]
-    buffer.setTarget(handler)
-    buffer.flush()
+    current = _state["buffer"]
+    if isinstance(current, logging.handlers.MemoryHandler):
+        current.setTarget(handler)
+        current.flush()
     root = logging.getLogger()
-    root.removeHandler(buffer)
-    buffer.close()
+    root.removeHandler(current)  # type: ignore[arg-type]
+    current.close()  # type: ignore[union-attr]
     root.addHandler(handler)
     _state["buffer"] = handler  # quiet_libraries stays done
     _reroute("DeepSpeed")  # created when deepspeed was first imported, possibly after quiet_libraries

@@ -185,7 +185,8 @@ class Method(nn.Module):
 
     def param_groups(self) -> list[dict]:
         """Optimizer parameter groups over ``trainable_parameters()``: dicts with ``params`` and an
-        optional ``lr_scale`` (times ``train.lr``), for methods whose papers train parts at other rates."""
+        optional ``lr_scale`` (times ``train.lr``) or ``lr`` (absolute), for methods whose papers train parts at
+        other rates."""
         return [{"params": self.trainable_parameters()}]
 
     def set_task(self, task: int) -> None:

@@ -21,8 +21,11 @@ class InstructionMethod(Method):
 
     def _check_backbone(self) -> None:
         if getattr(self.backbone, "task_type", None) != "generation":
-            raise TypeError(f"method {self.name} tunes a multimodal LLM; backbone.kind must be llava, instructblip "
-                            f"or qwen2_vl")
+            from mcit.models.mllm import MLLMBackbone
+
+            kinds = ", ".join(f.kind for f in MLLMBackbone.families())
+            raise TypeError(f"method {self.name} tunes a multimodal LLM; backbone.kind must be one of its families "
+                            f"({kinds})")
 
     def select_prompts(self, batch: Batch, embeds: torch.Tensor, image_query: torch.Tensor
                        ) -> tuple[torch.Tensor | None, dict[str, Any]]:

@@ -14,8 +14,9 @@ DeepSpeed engine of an earlier task (re-using them made a later task read stale 
 from __future__ import annotations
 
 import abc
+import copy
 import math
-from typing import Union
+from typing import Optional, Union
 
 import torch
 from pydantic import Field
@@ -30,6 +31,7 @@ from mcit.methods.instruction import InstructionMethod
 # or "all-linear": every nn.Linear of the LLM but the output head (CoIN's find_all_linear_names).
 Targets = Union[list[str], str]
 _INJECTED = "_mcit_lora_targets"
+_PRETRAINED_PROJECTOR = "_mcit_pretrained_projector"
 
 
 def all_linear_names(lm: nn.Module) -> list[str]:
@@ -101,13 +103,34 @@ class DropoutLinear(nn.Linear):
         return super().forward(self.dropout(x))
 
 
+class TrainableProjector(nn.Module):
+    """A method's float32 copy of the backbone's vision-to-LLM projector, put in its place: the optimizer steps
+    float32 weights, and the features keep the backbone's dtype on both sides."""
+
+    def __init__(self, pretrained: nn.Module) -> None:
+        super().__init__()
+        self.inner = copy.deepcopy(pretrained).float().requires_grad_(True)
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return self.inner(x.float(), *args, **kwargs).to(x.dtype)
+
+
 class LoRAFamilyParams(MethodParams):
-    """What every LoRA-family method takes (LoRA's defaults; a method re-declares those it changes)."""
+    """What every LoRA-family method takes (LoRA's defaults; a method re-declares those it changes).
+
+    ``train_projector`` / ``projector_lr``: the MCIT code bases train LLaVA's projector along with the adapters
+    (LLaVA's ``initialize_vision_modules`` re-enables its gradients after peft froze it: "In case it is frozen by
+    LoRA"); their scripts pass ``--mm_projector_lr 2e-5`` with ``--learning_rate 2e-4`` (CoIN's
+    scripts/LLaVA/Train*/, MCITlib's LoRA-FT / OLoRA / MoELoRA scripts). MCITlib's trainer gives the projector
+    that rate (its own parameter group); CoIN's ``create_optimizer`` (ETrain/Train/LLaVA/llava_trainer.py,
+    zackschen/CoIN 4122465) ignores the flag and trains it at ``learning_rate``: ``projector_lr: null`` is that."""
 
     r: int = Field(8, ge=1)
     alpha: float = Field(16.0, gt=0)
     dropout: float = Field(0.0, ge=0, lt=1)
     target_modules: Targets = Field(default_factory=lambda: ["q_proj", "v_proj"])
+    train_projector: bool = True
+    projector_lr: Optional[float] = Field(2e-5, gt=0, description="the projector's learning rate (null: train.lr)")
 
 
 class LoRAFamily(InstructionMethod, abc.ABC):
@@ -122,6 +145,24 @@ class LoRAFamily(InstructionMethod, abc.ABC):
         self._check_backbone()
         layers = lora_layers(backbone.language_model, params.target_modules, params.r, params.alpha, self.name)
         self.adapters = install(layers, self.adapter_pair)
+        self.projector = self._install_projector(params.train_projector)
+
+    def _install_projector(self, train: bool) -> TrainableProjector | None:
+        """Each build puts a fresh copy of the *pre-trained* projector into the backbone (its saved state then
+        loads over it), or, without ``train_projector``, the pre-trained one back."""
+        bb = self.backbone
+        if not hasattr(bb, "projector"):
+            if train:
+                raise ValueError(f"method.train_projector: backbone {type(bb).__name__} has no vision projector; "
+                                 f"set method.train_projector: false")
+            return None
+        pretrained = getattr(bb, _PRETRAINED_PROJECTOR, None)
+        if pretrained is None:
+            pretrained = bb.projector()
+            object.__setattr__(bb, _PRETRAINED_PROJECTOR, pretrained)  # not a submodule of the backbone
+        proj = TrainableProjector(pretrained) if train else None
+        bb.set_projector(proj if proj is not None else pretrained)
+        return proj
 
     @abc.abstractmethod
     def adapter_pair(self, layer: nn.Module, kw: dict) -> tuple[nn.Module, nn.Module]:
@@ -129,7 +170,18 @@ class LoRAFamily(InstructionMethod, abc.ABC):
         the layer's device and float32), initialised as the method's official code does."""
 
     def trainable_parameters(self) -> list[nn.Parameter]:
-        return list(self.adapters.parameters())
+        return list(self.adapters.parameters()) + self.projector_parameters()
+
+    def projector_parameters(self) -> list[nn.Parameter]:
+        return list(self.projector.parameters()) if self.projector is not None else []
+
+    def param_groups(self) -> list[dict]:
+        """The adapters at ``train.lr``; the projector (where trained) at ``projector_lr``."""
+        proj = set(map(id, self.projector_parameters()))
+        groups = [{"params": [p for p in self.trainable_parameters() if id(p) not in proj]}]
+        if proj:
+            groups.append({"params": self.projector_parameters(), "lr": self.params.projector_lr})
+        return groups
 
 
 class LoraParams(LoRAFamilyParams):

@@ -100,7 +100,8 @@ class OLora(LoRAFamily):
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         t = self.current_task
-        return [p for m in self.adapters.values() for p in (m["A"].blocks[t], m["B"].blocks[t])]
+        return [p for m in self.adapters.values() for p in (m["A"].blocks[t], m["B"].blocks[t])] + \
+            self.projector_parameters()
 
     def regularizer(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(orthogonal, l2) of the current task's pair, summed over modules as the official training_step

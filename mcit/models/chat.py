@@ -68,7 +68,7 @@ def render_vicuna_v1(turns: list[tuple[str, str]], *, train: bool, has_image: bo
     return r
 
 
-def _messages(turns: list[tuple[str, str]], upto: int, has_image: bool, with_answer: bool) -> list[dict]:
+def messages(turns: list[tuple[str, str]], upto: int, has_image: bool, with_answer: bool) -> list[dict]:
     msgs: list[dict] = []
     for i, (q, a) in enumerate(turns[: upto + 1]):
         content: list[dict] = [{"type": "text", "text": q.replace(IMAGE, "").strip()}]
@@ -92,13 +92,13 @@ def render_template(processor: Any, turns: list[tuple[str, str]], *, train: bool
     done = 0
     last = len(turns) - 1
     for i, (_, a) in enumerate(turns):
-        prompt = render(_messages(turns, i, has_image, False), True)
+        prompt = render(messages(turns, i, has_image, False), True)
         if not prompt.startswith(r.text):
             raise ValueError("the chat template does not render a conversation's turns as prefixes of each other")
         if i == last and not train:
             r.pieces.append((prompt[done:], False))
             return r
-        full = render(_messages(turns, i, has_image, True), False)
+        full = render(messages(turns, i, has_image, True), False)
         if not full.startswith(prompt):
             raise ValueError("the chat template's generation prompt is not a prefix of its assistant turn")
         tail = full[len(prompt):]

@@ -26,6 +26,7 @@ class InstructBlipBackbone(MLLMBackbone):
     model_class = "InstructBlipForConditionalGeneration"
     model_types = ("instructblip",)
     unquantized = ("lm_head", ".*vision_model", ".*qformer", ".*language_projection")
+    projector_path = "language_projection"  # the Q-Former's outputs into the LLM
 
     @classmethod
     def tiny(cls, texts: list[str], seed: int = 0) -> tuple[nn.Module, Any]:

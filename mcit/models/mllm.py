@@ -78,6 +78,9 @@ class MLLMBackbone(Backbone):
     # packed CPU 4-bit kernels also need in_features >= their 64-wide blocks. (transformers matches each entry
     # from the start of a module's full name, as a regex, or as a suffix.)
     unquantized: tuple[str, ...] = ("lm_head",)
+    # The module that maps vision features into the LLM's space (what LLaVA calls the mm_projector), as a path in
+    # the transformers model: the LoRA family trains it where ``method.train_projector`` is set.
+    projector_path: str = "model.multi_modal_projector"
 
     def __init__(self, model: nn.Module, processor: Any, max_length: int = 2048,
                  chat_format: str = "processor") -> None:
@@ -210,6 +213,15 @@ class MLLMBackbone(Backbone):
 
     def token_embeddings(self) -> torch.Tensor:
         return self.model.get_input_embeddings().weight
+
+    def projector(self) -> nn.Module:
+        """The vision-to-LLM projector (``projector_path``)."""
+        return self.model.get_submodule(self.projector_path)
+
+    def set_projector(self, module: nn.Module) -> None:
+        """Put ``module`` where the projector is (a method's trainable copy of it)."""
+        parent, _, name = self.projector_path.rpartition(".")
+        setattr(self.model.get_submodule(parent) if parent else self.model, name, module)
 
     @property
     def language_model(self) -> nn.Module:
@@ -370,6 +382,11 @@ class MLLMBackbone(Backbone):
         """The batch's pixel values from its rows' (a family may add to ``inputs``)."""
         return torch.stack(rows)
 
+    def real_pixels(self, batch: Batch, row: int) -> torch.Tensor:
+        """What row ``row`` of the batch's pixel values really holds: a family that pads rows to the batch's longest
+        (patches, tiles) drops the padding here. A row is the same whatever its batch."""
+        return batch.pixel_values[row]
+
 
     def model_inputs(self, batch: Batch) -> dict[str, Any]:
         """The batch as transformers' own forward / ``generate`` of the model take it (ids with the image tokens
@@ -408,9 +425,17 @@ class MLLMBackbone(Backbone):
                                                                           return_dict=True).pooler_output))
         return feats[has], out.pooler_output
 
-    @torch.no_grad()
+    def projector_trains(self) -> bool:
+        """Whether a method put a trainable projector in (then the image features carry its gradients)."""
+        return any(p.requires_grad for p in self.projector().parameters())
+
     def input_embeddings(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """The LLM's multimodal input embeddings (B, L, d) and the pooled image feature (B, dv)."""
+        """The LLM's multimodal input embeddings (B, L, d) and the pooled image feature (B, dv); without gradients
+        unless the projector trains (the frozen tower then builds no graph: none of its inputs needs one)."""
+        with torch.set_grad_enabled(torch.is_grad_enabled() and self.projector_trains()):
+            return self._input_embeddings(batch)
+
+    def _input_embeddings(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         ids = batch.inputs["input_ids"]
         embeds = self.model.get_input_embeddings()(ids)
         feats, pooled = self.vision(batch)

@@ -74,6 +74,7 @@ class Qwen2VLBackbone(MLLMBackbone):
     model_class = "Qwen2VLForConditionalGeneration"
     model_types = ("qwen2_vl",)
     unquantized = ("lm_head", ".*visual")
+    projector_path = "model.visual.merger"  # Qwen's patch merger: the MLP from the ViT into the LLM
 
     @classmethod
     def tiny(cls, texts: list[str], seed: int = 0) -> tuple[Any, Any]:
@@ -109,6 +110,9 @@ class Qwen2VLBackbone(MLLMBackbone):
         inputs["image_grid_thw"] = torch.stack([g for _, g in rows])
         return torch.stack([torch.zeros(n, width) if p is None else torch.cat([p, p.new_zeros(n - p.shape[0], width)])
                             for p in pix])
+
+    def real_pixels(self, batch: Batch, row: int) -> torch.Tensor:
+        return batch.pixel_values[row, : int(batch.inputs["image_grid_thw"][row].prod())]
 
     def vision(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """The merged image tokens of the rows with an image, and each row's mean merged token (zero for a

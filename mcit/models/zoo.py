@@ -181,8 +181,9 @@ ZOO: dict[str, ZooEntry] = {e.tag: e for e in [
     *[ZooEntry(f"llava_v1.5_{size}_original", "llava", "llava_original", arch, CLIP_MEAN, CLIP_STD, "bicubic",
                resize=336, preprocessing_source="LLaVA's expand2square + CLIPImageProcessor (336)",
                papers="MCITlib (liuhaotian/llava-v1.5-*), CoIN (Vicuna-v1.5 + the pre-training mm_projector.bin)",
-               obtain=f"liuhaotian/llava-v1.5-{size} and openai/clip-vit-large-patch14-336 (or lmsys/vicuna-{size}-v1.5 "
-                      f"+ liuhaotian/llava-v1.5-mlp2x-336px-pretrain-vicuna-{size}-v1.5's mm_projector.bin)",
+               obtain=f"liuhaotian/llava-v1.5-{size} and openai/clip-vit-large-patch14-336 "
+                      f"(or lmsys/vicuna-{size}-v1.5 + "
+                      f"liuhaotian/llava-v1.5-mlp2x-336px-pretrain-vicuna-{size}-v1.5's mm_projector.bin)",
                extra={"converted_tag": f"llava_v1.5_{size}"})
       for size, arch in (("7b", {"text_hidden_size": 4096, "text_num_hidden_layers": 32}),
                          ("13b", {"text_hidden_size": 5120, "text_num_hidden_layers": 40}))],

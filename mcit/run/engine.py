@@ -211,15 +211,22 @@ def lr_factor(cfg: RunConfig, step: int, steps_per_epoch: int, base_lr: float | 
     return 1.0
 
 
+def optimizer_groups(cfg: RunConfig, method: Method) -> list[dict]:
+    """The method's parameter groups with their learning rates: ``lr`` where a group names one (absolute), else
+    ``train.lr`` times its ``lr_scale``; frozen parameters and empty groups left out."""
+    groups = [{"params": [p for p in g["params"] if p.requires_grad],
+               "lr": g["lr"] if g.get("lr") is not None else cfg.train.lr * g.get("lr_scale", 1.0)}
+              for g in method.param_groups()]
+    return [g for g in groups if g["params"]]
+
+
 def setup_engine(cfg: RunConfig, method: Method, world: int, steps_per_epoch: int = 1) -> tuple[Any, int]:
     """deepspeed.initialize over the method's trainable parameters; returns (engine, ZeRO stage)."""
     import deepspeed
 
     if not method.trainable_parameters():
         raise RuntimeError(f"method {method.name} has no trainable parameters")
-    params = [{"params": [p for p in g["params"] if p.requires_grad], "lr": cfg.train.lr * g.get("lr_scale", 1.0)}
-              for g in method.param_groups()]
-    params = [g for g in params if g["params"]]
+    params = optimizer_groups(cfg, method)
     ds_cfg = build_ds_config(cfg, world)
     stage = int(ds_cfg.get("zero_optimization", {}).get("stage", 0))
     kwargs: dict[str, Any] = {"model": method, "config": ds_cfg}

@@ -28,7 +28,8 @@ def test_olora_trains_merges_and_regularises_as_the_official_code():
     lm = T.llama_lm()
     cls = METHODS.get("olora")
     seq = TaskSequence.from_label_spaces(["a", "b", "c"], [[], [], []])
-    m = cls(cls.Params(r=ref["r"], alpha=ref["alpha"], dropout=0.0, lamda_1=ref["lamda_1"], lamda_2=ref["lamda_2"]),
+    m = cls(cls.Params(r=ref["r"], alpha=ref["alpha"], dropout=0.0, lamda_1=ref["lamda_1"], lamda_2=ref["lamda_2"],
+                     train_projector=False),
             T.LanguageModelHolder(lm), seq)
     x, y = torch.tensor(ref["x"]), torch.tensor(ref["y"])
     for t, rec in enumerate(ref["tasks"]):

@@ -156,8 +156,13 @@ def _private_names_defined() -> set[str]:
 
 
 def private_reach(source: str, private: set[str]) -> list[str]:
-    """``from m import _x`` of a project module, and ``obj._x`` on anything but self / cls / super()."""
+    """``from m import _x`` of a project module, and ``obj._x`` on anything but self / cls / super() or a name
+    imported from another package (a library's privacy is not this rule's: a family reusing transformers' own
+    helper instead of copying it is what the project wants)."""
     bad = []
+    project = ("mcit", "pipelines", "data_prep", "conftest", "raw_formats")
+    foreign = {a.asname or a.name for node in ast.walk(ast.parse(source)) if isinstance(node, ast.ImportFrom)
+               and node.module and node.level == 0 and node.module.split(".")[0] not in project for a in node.names}
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and \
                 node.module.split(".")[0] in ("mcit", "pipelines", "data_prep", "conftest", "raw_formats"):
@@ -165,7 +170,7 @@ def private_reach(source: str, private: set[str]) -> list[str]:
                     if a.name.startswith("_") and not a.name.startswith("__")]
         if isinstance(node, ast.Attribute) and node.attr in private:
             v = node.value
-            if isinstance(v, ast.Name) and v.id in ("self", "cls"):
+            if isinstance(v, ast.Name) and v.id in ("self", "cls", *foreign):
                 continue
             if isinstance(v, ast.Call) and isinstance(v.func, ast.Name) and v.func.id == "super":
                 continue
@@ -188,6 +193,8 @@ def test_the_private_name_rule_catches_both_forms():
     private = {"_eval_row", "_master"}
     src = "from mcit.run.engine import _master\npipe._eval_row(1)\nself._eval_row(2)\nsuper()._eval_row(3)\n"
     assert private_reach(src, private) == ["line 1: from mcit.run.engine import _master", "line 2: pipe._eval_row"]
+    lib = "from transformers import Proc\nfrom mcit.run import engine\nProc._eval_row(1)\nengine._master\n"
+    assert private_reach(lib, private) == ["line 4: engine._master"]
 
 
 def _hook_calls() -> dict[str, set[str]]:

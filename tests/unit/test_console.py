@@ -60,3 +60,15 @@ def _talk_and_log(lib, tmp_path) -> None:
     from mcit.core import distributed
 
     warnings.warn_explicit("a warning of this project's own code", UserWarning, distributed.__file__, 59)
+
+
+def test_a_second_run_in_the_same_process_logs_to_its_own_file(tmp_path):
+    """Several runs in one process (tests/launch/workers/family_sequences.py): each run's log gets its own lines."""
+    first = console.log_to(tmp_path / "a" / "rank0.log")
+    logging.getLogger("transformers.x").warning("said during run a")
+    second = console.log_to(tmp_path / "b" / "rank0.log")
+    logging.getLogger("transformers.x").warning("said during run b")
+    for h in logging.getLogger().handlers:
+        h.flush()
+    assert "said during run a" in first.read_text() and "said during run b" not in first.read_text()
+    assert "said during run b" in second.read_text()

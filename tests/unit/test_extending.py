@@ -1,7 +1,12 @@
 """Adding a backbone and a method is one file each: both are registered here, in a test module, and run
 through the real pipeline (pre-flight, DeepSpeed train stage, subspace stage, eval, commit, metrics) in
 this process, with no edit anywhere else. The method records every hook call, which pins the lifecycle
-order written in ``Method``'s docstring."""
+order written in ``Method``'s docstring.
+
+A multimodal LLM family is one file too: ViP-LLaVA (transformers' ``VipLlavaForConditionalGeneration``, whose
+projector reads several tower layers at once) is registered here, loads through pre-flight's checks, trains
+prompts, and, because this module is collected before tests/unit/test_families.py, also goes through every
+family test there (its logits and generation against transformers' own)."""
 
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ from mcit.core.registry import BACKBONES, METHODS
 from mcit.data.types import Batch, TaskSequence
 from mcit.methods.base import LossTerms, Method, MethodParams
 from mcit.models.base import Backbone
+from mcit.models.mllm import MLLMBackbone
 
 CALLS: list[tuple] = []  # (hook, task, phase) over every build of the method in this process
 
@@ -169,3 +175,75 @@ def test_a_backbone_and_a_method_from_a_test_module_run_through_the_pipeline(ass
     assert hooks[1:1 + len(task)] == task
     second = [(h, None if t is None else 1, p) for h, t, p in task]
     assert hooks[1 + len(task):] == second
+
+
+@BACKBONES.register("test_vipllava")
+class VipLlavaBackbone(MLLMBackbone):
+    """ViP-LLaVA: LLaVA's processor and conversation; the projector reads the concatenated patch tokens of several
+    tower layers (``vision_feature_layers``), so its own ``vision``."""
+
+    kind = "test_vipllava"
+    model_class = "VipLlavaForConditionalGeneration"
+    model_types = ("vipllava",)
+    unquantized = ("lm_head", ".*vision_tower", ".*multi_modal_projector")
+
+    @classmethod
+    def tiny(cls, texts: list[str], seed: int = 0) -> tuple[nn.Module, Any]:
+        from transformers import CLIPVisionConfig, LlamaConfig, VipLlavaConfig, VipLlavaForConditionalGeneration
+
+        from mcit.models.tiny_llava import SPECIAL, build_processor, train_tokenizer
+
+        tok = train_tokenizer(texts)
+        cfg = VipLlavaConfig(
+            vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                           num_attention_heads=4, image_size=32, patch_size=8),
+            text_config=LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=4, pad_token_id=tok.pad_token_id,
+                                    bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id),
+            image_token_index=tok.convert_tokens_to_ids(SPECIAL["image"]), vision_feature_layers=[-2, 1],
+            image_seq_length=16, pad_token_id=tok.pad_token_id)
+        torch.manual_seed(seed)
+        model = VipLlavaForConditionalGeneration(cfg)
+        model.generation_config.pad_token_id = tok.pad_token_id
+        model.generation_config.eos_token_id = tok.eos_token_id
+        return model, build_processor(tok, image_size=32, patch_size=8)
+
+    def vision(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """transformers' multi-layer image features of the image rows; CLIP's pooled [CLS] of every row."""
+        out = self.model.model.get_image_features(batch.pixel_values.to(self.dtype),
+                                                  vision_feature_layer=self.model.config.vision_feature_layers,
+                                                  return_dict=True)
+        pooled = self.model.model.vision_tower.post_layernorm(out.last_hidden_state[:, 0])
+        return out.pooler_output[self.image_rows(batch)], pooled
+
+
+def test_a_multimodal_family_from_a_test_module_loads_and_trains_prompts(mcit_assets, tmp_path):
+    from conftest import mcit_config
+
+    from mcit.core.config import load_config
+    from mcit.data import tiny_mcit as B
+    from mcit.data.shards import iter_samples, open_split
+    from mcit.models.base import load_backbone
+    from mcit.run.preflight import preflight
+
+    assert VipLlavaBackbone in MLLMBackbone.families()
+    model, processor = VipLlavaBackbone.tiny(B.corpus())
+    model.save_pretrained(tmp_path / "vip")
+    processor.save_pretrained(tmp_path / "vip")
+    plan = preflight(load_config(mcit_config(mcit_assets, tmp_path, "vip", backbone={
+        "kind": "test_vipllava", "path": str(tmp_path / "vip"), "tag": "tiny_vipllava"})))
+    assert plan.backbone.record["sha256"]
+    bb = load_backbone("test_vipllava", str(tmp_path / "vip"))
+    assert type(bb) is VipLlavaBackbone and MLLMBackbone.wrap(bb.model, bb.processor).kind == "test_vipllava"
+    split = open_split(mcit_assets["shards"] / "colour" / "train")
+    batch = bb.make_collate(split, 0, train=True)(list(iter_samples(split, 0, 1, policy="sample"))[:4])
+    with torch.no_grad():
+        embeds, pooled = bb.input_embeddings(batch)
+        mask = batch.inputs["attention_mask"]
+        ours = bb.logits(embeds, mask)[mask.bool()]
+        theirs = bb.model(**bb.model_inputs(batch)).logits[mask.bool()]
+    assert pooled.shape == (4, 32) and float((ours - theirs).abs().max()) <= 1e-5 * float(theirs.abs().max())
+    cls = METHODS.get("prompt_tuning")
+    m = cls(cls.Params(prompt_length=2), bb, TaskSequence.from_label_spaces(["c"], [[]]))
+    m(batch).per_sample.mean().backward()
+    assert m.prompt.grad is not None and float(m.prompt.grad.abs().sum()) > 0

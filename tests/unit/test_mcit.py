@@ -233,12 +233,58 @@ def test_lora_family_starts_as_the_pretrained_model_and_rebuilds_from_its_state(
         assert torch.equal(again(batch).per_sample, trained)
     if name == "olora":
         again.set_task(1)
-        mine = {id(p) for p in again.trainable_parameters()}
+        mine = {id(p) for p in again.trainable_parameters()} - {id(p) for p in again.projector_parameters()}
         assert mine == {id(p) for n, p in again.named_parameters() if n.endswith(".task1")}
-        assert all(p.requires_grad == (id(p) in mine) for p in again.parameters())
+        assert all(p.requires_grad == (id(p) in mine) for n, p in again.named_parameters()
+                   if not n.startswith("projector."))
         terms = again(batch)  # with gradients: the regulariser of task 1's pair against task 0's
         assert terms.logs["orthogonal_loss"] > 0 and terms.logs["l2_loss"] > 0
         assert torch.equal(terms.per_sample.detach(), trained)  # task 1's B is still zero
+
+
+@pytest.mark.parametrize("name", ["lora", "olora", "moelora"])
+def test_lora_family_trains_the_projector_at_its_own_rate(mcit_assets, llava, name):
+    """``train_projector`` (the default, as CoIN's and MCITlib's scripts): each build puts a fresh copy of the
+    pre-trained projector into the backbone, the engine gives it ``projector_lr`` (adapters: train.lr), training
+    moves it and the loss follows, a rebuild loads it from the state; ``train_projector: false`` puts the
+    pre-trained projector back and trains none of it."""
+    from mcit.core.config import load_config
+    from mcit.core.registry import METHODS
+    from mcit.data.types import TaskSequence
+    from mcit.models.mllm import MLLMBackbone
+    from mcit.run.engine import optimizer_groups
+
+    _, split, samples = llava
+    bb = MLLMBackbone.from_path(str(mcit_assets["backbone"]))
+    pretrained = bb.projector()
+    before = {k: v.clone() for k, v in pretrained.state_dict().items()}
+    batch = bb.make_collate(split, 0, train=True)(samples[:4])
+    seq = TaskSequence.from_label_spaces(["a", "b"], [[], []])
+    cls = METHODS.get(name)
+    small = {"r": 4, "experts": 2} if name == "moelora" else {"r": 2}
+    m = cls(cls.Params(**small), bb, seq)
+    assert bb.projector() is m.projector and m.params.projector_lr == 2e-5
+    cfg = load_config("configs/tiny_mcit_lora.yaml")
+    groups = optimizer_groups(cfg, m)
+    assert [g["lr"] for g in groups] == [cfg.train.lr, 2e-5]
+    assert {id(p) for p in groups[1]["params"]} == {id(p) for p in m.projector.parameters()} != set()
+    opt = torch.optim.SGD(m.projector.parameters(), lr=1.0)  # the projector alone: the adapters stay at zero
+    with torch.no_grad():
+        start = m(batch).per_sample
+    m(batch).per_sample.mean().backward()
+    opt.step()
+    with torch.no_grad():
+        moved = m(batch).per_sample
+    assert not torch.allclose(moved, start)  # the backbone computes with the method's projector
+    assert all(torch.equal(v, before[k]) for k, v in pretrained.state_dict().items())  # the original is kept
+    again = cls(cls.Params(**small), bb, seq)
+    with torch.no_grad():
+        assert torch.equal(again(batch).per_sample, start)  # a fresh build starts from the pre-trained projector
+        again.load_state_dict(m.state_dict())
+        assert torch.equal(again(batch).per_sample, moved)
+    frozen = cls(cls.Params(**small, train_projector=False), bb, seq)
+    assert bb.projector() is pretrained and frozen.projector_parameters() == []
+    assert len(optimizer_groups(cfg, frozen)) == 1
 
 
 def test_every_shipped_config_validates():
@@ -301,8 +347,9 @@ def test_llava_json_converter(tmp_path):
 
 def _batch_rows_equal_one_sample_batches(bb, mcit_assets) -> None:
     """The processor runs once over a batch's images (MLLMBackbone.encode_batch); each row of the batch -- its
-    tokens, pixel values (Qwen2-VL: its own patches and grid), Q-Former instruction -- is what the sample
-    collated alone gives. Samples from two tasks, and one with a larger image and a longer question (another
+    tokens, pixel values (``real_pixels``: Qwen2-VL's patches, InternVL's tiles, LLaVA-OneVision's anyres patches,
+    without the batch's padding, and their counts), Q-Former instruction -- is what the sample collated alone
+    gives. Samples from two tasks, and one with a larger image and a longer question (another
     Qwen2-VL grid, another Q-Former length)."""
     import io
     import json
@@ -328,12 +375,10 @@ def _batch_rows_equal_one_sample_batches(bb, mcit_assets) -> None:
             one = collate([s])
             row = batch.inputs["attention_mask"][i].bool()
             assert batch.inputs["input_ids"][i][row].tolist() == one.inputs["input_ids"][0].tolist()
-            if "image_grid_thw" in one.inputs:
-                assert torch.equal(batch.inputs["image_grid_thw"][i], one.inputs["image_grid_thw"][0])
-                k = int(one.inputs["image_grid_thw"][0].prod())
-                assert torch.equal(batch.pixel_values[i][:k], one.pixel_values[0][:k])
-            else:
-                assert torch.equal(batch.pixel_values[i], one.pixel_values[0])
+            assert torch.equal(bb.real_pixels(batch, i), bb.real_pixels(one, 0))  # the batch's padding aside
+            for key in ("image_grid_thw", "num_tiles", "image_patches", "image_sizes"):
+                if key in one.inputs:
+                    assert torch.equal(batch.inputs[key][i], one.inputs[key][0]), key
             if "qformer_input_ids" in one.inputs:
                 q = batch.inputs["qformer_attention_mask"][i].bool()
                 assert batch.inputs["qformer_input_ids"][i][q].tolist() == one.inputs["qformer_input_ids"][0].tolist()
