@@ -149,3 +149,32 @@ def test_the_converter_refuses_what_it_cannot_convert_in_one_line(converted, tmp
     torch.save(sd, shard)
     one_line(run("--llava", bad, "--clip", paths["clip"], "--out", tmp_path / "o"), "multi_modal_projector")
     assert not (tmp_path / "o").exists() and not list(tmp_path.glob("o.partial*"))
+
+
+def test_every_shape_comes_from_the_checkpoints_own_configs():
+    """liuhaotian/llava-v1.5-13b's config and CLIP ViT-L/14-336's give a 13B llava-hf config (LLaVA's defaults are
+    the 7B's: nothing may come from them)."""
+    import llava_original as L
+    from accelerate import init_empty_weights
+    from transformers import LlavaForConditionalGeneration
+
+    from data_prep.convert_llava import Sources, llava_config
+
+    llm = {"model_type": "llava", "architectures": ["LlavaLlamaForCausalLM"], "hidden_size": 5120,
+           "intermediate_size": 13824, "num_attention_heads": 40, "num_key_value_heads": 40, "num_hidden_layers": 40,
+           "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "vocab_size": 32000, "mm_hidden_size": 1024,
+           "mm_projector_type": "mlp2x_gelu", "mm_vision_select_layer": -2, "mm_vision_select_feature": "patch"}
+    clip = {"model_type": "clip", "vision_config": {"hidden_size": 1024, "intermediate_size": 4096,
+                                                    "num_attention_heads": 16, "num_hidden_layers": 24,
+                                                    "image_size": 336, "patch_size": 14, "projection_dim": 768}}
+    tok = L.tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<image>"], "pad_token": "<pad>"})
+    cfg = llava_config(Sources(Path("llm"), Path("clip"), None, llm, clip), tok)
+    t, v = cfg.text_config, cfg.vision_config
+    assert (t.hidden_size, t.num_hidden_layers, t.intermediate_size, t.num_attention_heads) == (5120, 40, 13824, 40)
+    assert (v.hidden_size, v.num_hidden_layers, v.image_size, v.patch_size) == (1024, 24, 336, 14)
+    assert cfg.image_seq_length == 576 and cfg.vision_feature_layer == -2 and t.vocab_size % 64 == 0
+    with init_empty_weights():
+        model = LlavaForConditionalGeneration(cfg)
+    n = sum(p.numel() for p in model.parameters()) + 2 * (32064 - t.vocab_size) * 5120  # the real vocabulary
+    assert 13.3e9 < n < 13.4e9, n
