@@ -242,3 +242,32 @@ def test_llava_15_tags_default_to_vicuna_v1(mcit_assets):
     assert fmt("llava_v1.5_7b") == fmt("llava-1.5-7b") == fmt("LLaVA-v1.5-13b") == "vicuna_v1"
     assert fmt("local") == fmt("qwen2-vl-7b") == fmt("llava-1.6") == "processor"
     assert fmt("llava-1.5-7b", chat_format="processor") == "processor"
+
+
+def lavis_instruct_tokens(tokenizer, instruction: str, answer: str) -> tuple[list[int], list[int]]:
+    """salesforce/LAVIS blip2_vicuna_instruct.forward as published: the instruction tokenised with BOS, the answer
+    + EOS tokenised apart with its BOS dropped (``concat_text_input_output``: ``output_ids[i][1:]``), targets -100
+    on the instruction (the query tokens go in front of both as embeddings, also -100)."""
+    inp = tokenizer(instruction).input_ids
+    out = tokenizer(answer + tokenizer.eos_token).input_ids[1:]
+    return inp + out, [IGNORE] * len(inp) + out
+
+
+def test_instructblip_sample_is_lavis_own(mcit_assets):
+    """InstructBLIP has no chat template: a training sample is LAVIS' (instruction, then answer + EOS), behind the
+    Q-Former's query tokens; an evaluation prompt is the instruction alone."""
+    from PIL import Image
+
+    from mcit.data import tiny_mcit as B
+    from mcit.models.instructblip import InstructBlipBackbone
+
+    model, proc = InstructBlipBackbone.tiny(B.corpus())
+    bb = InstructBlipBackbone(model, proc)
+    q, a = "<image>\nwhat colour is the shape?", "blue"
+    ids, labels, _ = bb.encode([(q, a)], Image.new("RGB", (16, 16), (200, 30, 30)), train=True)
+    n = model.config.num_query_tokens
+    want_ids, want_labels = lavis_instruct_tokens(bb.tokenizer, "what colour is the shape?", a)
+    assert ids == [bb.image_token_id] * n + want_ids and labels == [IGNORE] * n + want_labels
+    assert [t for t in labels if t != IGNORE] == bb.tokenizer(" blue</s>", add_special_tokens=False).input_ids
+    ids, labels, _ = bb.encode([(q, a)], Image.new("RGB", (16, 16), (200, 30, 30)), train=False)
+    assert ids == [bb.image_token_id] * n + bb.tokenizer("what colour is the shape?").input_ids
