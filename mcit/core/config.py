@@ -118,6 +118,10 @@ class DataConfig(_Strict):
                                   "stage on every task's training data together, then one evaluation of every task "
                                   "(the multi-task upper bound: an accuracy matrix of one row, no forgetting or "
                                   "forward transfer)")
+    replay: int = Field(
+        0, ge=0, description="a replay buffer: this many samples of each earlier task's training split (the first in "
+                             "an order seeded by `seed`, by key, the same on every rank and after a resume; kept in "
+                             "the run directory's replay.json) are trained on again with every later task; 0: none")
     validation: float = Field(
         0.0, ge=0.0, lt=1.0, description="carve this fraction of each task's training split (by a hash of each "
                                           "sample's key) as its validation split: training uses the rest and every "
@@ -130,6 +134,12 @@ class DataConfig(_Strict):
         if not v:
             raise ValueError("the task sequence is empty")
         return v
+
+    @model_validator(mode="after")
+    def _replay_is_sequential(self) -> "DataConfig":
+        if self.replay and self.schedule == "joint":
+            raise ValueError("data.replay: the joint schedule already trains on every task's data; set replay: 0")
+        return self
 
     def resolved_tasks(self, base: Path) -> list[TaskSpec]:
         """Task specs with local paths made absolute (relative paths are relative to ``base``); URLs and

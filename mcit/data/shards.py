@@ -209,6 +209,7 @@ class DerivedSplit(Split):
     sources: tuple[tuple[Split, int], ...] = ()
     side: str | None = None  # "fit" | "validation" | None (every sample)
     fraction: float = 0.0
+    keys: frozenset[str] | None = None  # only these samples (a replay buffer: ``replay_buffer``)
 
     @property
     def shard_locations(self) -> list[str]:
@@ -217,6 +218,8 @@ class DerivedSplit(Split):
     def shard_samples(self, index: int) -> Iterator[dict]:
         split, i = self.sources[index]
         for sample in split.shard_samples(i):
+            if self.keys is not None and sample["__key__"] not in self.keys:
+                continue
             if self.side is None or (validation_side(sample["__key__"], self.fraction) == (self.side == "validation")):
                 yield sample
 
@@ -262,6 +265,34 @@ def carve(split: Split, fraction: float) -> tuple[Split, Split]:
         out.append(DerivedSplit(f"{split.location} ({side} part of a {fraction:g} carve)", manifest,
                                 tuple((split, i) for i in keep), side, fraction))
     return out[0], out[1]
+
+
+def replay_rank(key: str, seed: int) -> bytes:
+    """Where sample ``key`` stands in a seeded order of a split's samples: a hash of the seed and the key alone,
+    so a replay buffer is the same on every rank, for any shard layout, and after a resume."""
+    return hashlib.sha256(f"{seed}:{key}".encode()).digest()
+
+
+def replay_keys(split: Split, n: int, seed: int) -> list[str]:
+    """The ``n`` samples of ``split`` first in the seeded order (``replay_rank``), sorted: a replay buffer. Reads
+    the split's keys once."""
+    keys = [sample["__key__"] for i in range(len(split.shard_locations)) for sample in split.shard_samples(i)]
+    if len(set(keys)) != len(keys):
+        dup = next(k for k in keys if keys.count(k) > 1)
+        raise DataError(f"{split.location}: sample key {dup!r} occurs twice; a replay buffer is chosen by key")
+    return sorted(sorted(keys, key=lambda k: replay_rank(k, seed))[:n])
+
+
+def replay_buffer(split: Split, keys: list[str], name: str) -> Split:
+    """The samples ``keys`` of ``split`` as a split of their own (a task's replay buffer): its shards are those
+    that hold one of them, its manifest counts only them."""
+    wanted = frozenset(keys)
+    counts = [sum(1 for s in split.shard_samples(i) if s["__key__"] in wanted)
+              for i in range(len(split.shard_locations))]
+    keep = [i for i, c in enumerate(counts) if c]
+    manifest = {**split.manifest, "num_samples": sum(counts),
+                "shards": [{**split.manifest["shards"][i], "num_samples": counts[i]} for i in keep]}
+    return DerivedSplit(name, manifest, tuple((split, i) for i in keep), keys=wanted)
 
 
 def union(splits: list[Split], name: str) -> Split:

@@ -13,9 +13,11 @@ the layout of the run directory is ``mcit.core.rundir``'s.
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,7 +29,7 @@ from mcit.core.config import dump_config
 from mcit.core.registry import METHODS
 from mcit.core.rundir import RunDir
 from mcit.data.loader import eval_batches
-from mcit.data.shards import Split
+from mcit.data.shards import DataError, Split
 from mcit.run.engine import JsonlLogger, TaskTrainer
 from mcit.run.evaluation import evaluate_row, first_task_loss
 from mcit.run.lifecycle import MethodHost
@@ -56,6 +58,20 @@ def stage_keys(plan: Plan) -> list[str]:
     per_task = [f"{s}.{p}" if p else s for p in phases for s in STAGES[:2]] + list(STAGES[2:])
     return ((["reference"] if plan.reference is not None else []) + (["zero_shot"] if plan.cfg.eval.zero_shot else [])
             + [f"{t}/{s}" for t in range(plan.num_stages) for s in per_task])
+
+
+def check_replay(path: Path, buffers: dict[str, list[str]], seed: int) -> None:
+    """Keep the replay buffers in the run directory (``replay.json``); a resumed run must draw the same ones (its
+    data changed under it otherwise)."""
+    record = {"seed": seed, "buffers": buffers}
+    if not path.is_file():
+        write_json(path, record)
+        return
+    stored = json.loads(path.read_text())
+    if stored != record:
+        changed = [t for t in buffers if stored.get("buffers", {}).get(t) != buffers[t]]
+        raise DataError(f"{path}: the replay buffer of task {changed[0] if changed else '?'} differs from the one "
+                        f"this run started with (its training data changed); restore the data or start a new run")
 
 
 class Pipeline:
@@ -166,6 +182,8 @@ class Pipeline:
                 atomic_write_text(rd.config, dump_config(self.cfg))
             if not rd.backbone.is_file():
                 write_json(rd.backbone, self.plan.backbone_records())
+            if self.plan.replay:
+                check_replay(rd.root / "replay.json", self.plan.replay, self.cfg.seed)
 
         dist.on_main(start)
         self.state = rd.read_state() or self.state

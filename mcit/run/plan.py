@@ -47,6 +47,7 @@ class Plan:
     preprocessing: Any = None
     normalization: Any = None
     loader: LoaderOptions = field(default_factory=LoaderOptions)  # data.num_workers & co., read once
+    replay: dict[str, list[str]] = field(default_factory=dict)  # data.replay: each earlier task's buffer keys
 
     def __post_init__(self) -> None:
         self.stage_names = self.stage_names or list(self.names)

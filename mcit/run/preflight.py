@@ -17,7 +17,7 @@ from mcit.core.locations import absolute
 from mcit.core.registry import METHODS
 from mcit.core.rundir import RunDir, RunDirError
 from mcit.data.loader import LoaderOptions
-from mcit.data.shards import carve, open_split, union
+from mcit.data.shards import Split, carve, open_split, replay_buffer, replay_keys, union
 from mcit.data.types import TaskSequence
 from mcit.models.base import BackboneError, backbone_class
 from mcit.run.ds_config import check_deepspeed_config
@@ -133,6 +133,9 @@ def preflight(cfg: RunConfig, base: Path | None = None, *, run_dir: Path | None 
     class_names = {int(k): v for tr in train for k, v in (tr.manifest.get("class_names") or {}).items()}
     if cfg.data.validation:  # model selection: evaluate on a part of the training data, train on the rest
         train, test = map(list, zip(*(carve(tr, cfg.data.validation) for tr in train)))
+    replay: dict[str, list[str]] = {}
+    if cfg.data.replay:
+        train, replay = with_replay(train, names, cfg.data.replay, cfg.seed)
     if cfg.data.schedule == "joint":
         train, stage_names = [union(train, "joint(" + "+".join(names) + ")")], ["joint"]
     sequence = TaskSequence.from_label_spaces(stage_names, [tr.label_space for tr in train], class_names)
@@ -142,8 +145,24 @@ def preflight(cfg: RunConfig, base: Path | None = None, *, run_dir: Path | None 
     plan = Plan(cfg, run, names, train, test, sequence, backbone, auxiliary, scorers, reference, stage_names)
     plan.preprocessing, plan.normalization = image_pipeline(cfg, backbone)
     plan.loader = LoaderOptions.from_config(cfg.data)
+    plan.replay = replay
     check_same_backbones(plan)
     return plan
+
+
+def with_replay(train: list[Split], names: list[str], n: int, seed: int) -> tuple[list[Split], dict[str, list[str]]]:
+    """Each task's training split with the replay buffers of the tasks before it (``data.replay`` samples of each,
+    ``replay_keys``), and the buffers' keys by task. The union keeps the task's own label space: the old samples'
+    labels are classes the model already has."""
+    from dataclasses import replace
+
+    keys = {name: replay_keys(tr, n, seed) for name, tr in zip(names[:-1], train[:-1])}
+    buffers = [replay_buffer(tr, keys[name], f"replay of {name}") for name, tr in zip(names[:-1], train[:-1])]
+    out = [train[0]]
+    for t in range(1, len(train)):
+        u = union([train[t], *buffers[:t]], f"{train[t].location} + replay of {', '.join(names[:t])}")
+        out.append(replace(u, manifest={**u.manifest, "label_space": train[t].manifest["label_space"]}))
+    return out, keys
 
 
 def image_pipeline(cfg: RunConfig, backbone: ResolvedBackbone) -> tuple[Any, Any]:
