@@ -225,3 +225,40 @@ def assert_close(ours: torch.Tensor, ref: Any, what: str, tol: float = TOL) -> f
     assert d <= tol * scale, (f"{what}: max abs difference {d:.3g} from the official value (tolerance {tol} x "
                               f"{scale:.3g})")
     return d
+
+
+def distinct_vit(layers: int = 6):
+    """``vit()`` re-weighted so that its [CLS] feature depends on the image (``vit()``'s 0.02-std weights give
+    near-uniform attention and features of pairwise cosine > 0.9999, which no contrastive term can tell apart).
+
+    Every weight matrix (patch projection, q, k, v, o, MLP) redrawn as randn / sqrt(fan_in) and the [CLS] token
+    and position embeddings as 0.3 * randn (Generator seed 12, sorted name order; biases and norms as in
+    ``vit()``), the final LayerNorm's weight and bias halved: on ``images(4)`` the features' pairwise cosines are
+    0.3-0.8 and their squared norms about 6, so the contrastive logits (|f|^2 / 0.8) sit where the softmax, and
+    so the temperature, matter. The official code was fed this model's state dict."""
+    bb = vit(layers)
+    g = torch.Generator().manual_seed(12)
+    with torch.no_grad():
+        for name, p in sorted(bb.model.named_parameters()):
+            if name.endswith("weight") and p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) / p[0].numel() ** 0.5)
+            elif name in ("embeddings.cls_token", "embeddings.position_embeddings"):
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+        bb.model.layernorm.weight.mul_(0.5)
+        bb.model.layernorm.bias.mul_(0.5)
+    return bb
+
+
+def assert_rel_close(ours: torch.Tensor, ref: Any, what: str, tol: float = TOL) -> float:
+    """Max abs difference at most ``tol`` times the quantity's own scale (the largest official magnitude, with
+    no floor: a gradient of 1e-3 is held to 1e-8, not to 1e-5). The scale must be non-zero."""
+    d = max_diff(ours, ref)
+    scale = float(as_tensor(ref).abs().max())
+    assert scale > 0, f"{what}: the official value is 0, no scale to compare against"
+    report = os.environ.get("MCIT_REFERENCE_REPORT")
+    if report:
+        with open(report, "a") as f:
+            f.write(f"{os.environ.get('PYTEST_CURRENT_TEST', '?').split(' ')[0]}\t{what}\t{d:.3g}\t{scale:.3g}\n")
+    assert d <= tol * scale, (f"{what}: max abs difference {d:.3g} from the official value (tolerance {tol} x "
+                              f"{scale:.3g})")
+    return d
