@@ -355,7 +355,8 @@ class MLLMBackbone(Backbone):
             encs.append(enc)
             pix.append(self.row_pixels(enc, image is not None))
             keys.append(key)
-            meta.append({**{k: v for k, v in rec.items() if k != "turns"}, "key": key})
+            meta.append({**{k: v for k, v in rec.items() if k != "turns"}, "key": key,
+                         "first_question": rec["turns"][0][0] if rec.get("turns") else rec.get("question")})
         L = max(len(x) for x in ids_list)
         B = len(ids_list)
         input_ids = torch.full((B, L), pad_id, dtype=torch.long)
