@@ -112,7 +112,26 @@ class TrainableProjector(nn.Module):
         self.inner = copy.deepcopy(pretrained).float().requires_grad_(True)
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        return self.inner(x.float(), *args, **kwargs).to(x.dtype)
+        # in its own weights' dtype: DeepSpeed's bf16 casts the method's weights to bf16
+        return self.inner(x.to(next(self.inner.parameters()).dtype), *args, **kwargs).to(x.dtype)
+
+
+def install_projector(backbone: nn.Module, train: bool, method: str) -> TrainableProjector | None:
+    """Put a fresh trainable copy of the backbone's *pre-trained* projector in its place (each build: the method's
+    saved state then loads over it), or, without ``train``, the pre-trained one back. The pre-trained module is
+    kept on the backbone object (not as a submodule), so every method built on it starts from the same one."""
+    if not hasattr(backbone, "projector"):
+        if train:
+            raise ValueError(f"method.train_projector: backbone {type(backbone).__name__} has no vision projector "
+                             f"for {method}; set method.train_projector: false")
+        return None
+    pretrained = getattr(backbone, _PRETRAINED_PROJECTOR, None)
+    if pretrained is None:
+        pretrained = backbone.projector()
+        object.__setattr__(backbone, _PRETRAINED_PROJECTOR, pretrained)
+    proj = TrainableProjector(pretrained) if train else None
+    backbone.set_projector(proj if proj is not None else pretrained)
+    return proj
 
 
 class LoRAFamilyParams(MethodParams):
@@ -145,24 +164,7 @@ class LoRAFamily(InstructionMethod, abc.ABC):
         self._check_backbone()
         layers = lora_layers(backbone.language_model, params.target_modules, params.r, params.alpha, self.name)
         self.adapters = install(layers, self.adapter_pair)
-        self.projector = self._install_projector(params.train_projector)
-
-    def _install_projector(self, train: bool) -> TrainableProjector | None:
-        """Each build puts a fresh copy of the *pre-trained* projector into the backbone (its saved state then
-        loads over it), or, without ``train_projector``, the pre-trained one back."""
-        bb = self.backbone
-        if not hasattr(bb, "projector"):
-            if train:
-                raise ValueError(f"method.train_projector: backbone {type(bb).__name__} has no vision projector; "
-                                 f"set method.train_projector: false")
-            return None
-        pretrained = getattr(bb, _PRETRAINED_PROJECTOR, None)
-        if pretrained is None:
-            pretrained = bb.projector()
-            object.__setattr__(bb, _PRETRAINED_PROJECTOR, pretrained)  # not a submodule of the backbone
-        proj = TrainableProjector(pretrained) if train else None
-        bb.set_projector(proj if proj is not None else pretrained)
-        return proj
+        self.projector = install_projector(backbone, params.train_projector, self.name)
 
     @abc.abstractmethod
     def adapter_pair(self, layer: nn.Module, kw: dict) -> tuple[nn.Module, nn.Module]:

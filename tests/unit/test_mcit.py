@@ -282,6 +282,9 @@ def test_lora_family_trains_the_projector_at_its_own_rate(mcit_assets, llava, na
         assert torch.equal(again(batch).per_sample, start)  # a fresh build starts from the pre-trained projector
         again.load_state_dict(m.state_dict())
         assert torch.equal(again(batch).per_sample, moved)
+    again.projector.to(torch.bfloat16)  # what DeepSpeed's bf16 does to the method's weights
+    with torch.no_grad():
+        assert torch.isfinite(again(batch).per_sample).all()
     frozen = cls(cls.Params(**small, train_projector=False), bb, seq)
     assert bb.projector() is pretrained and frozen.projector_parameters() == []
     assert len(optimizer_groups(cfg, frozen)) == 1
