@@ -343,7 +343,7 @@ def check_aggregate_against_runs(sweep_dir: Path, expected_points: int, ddof: in
 # cluster's jobs, sweeps of launched runs, killed-and-resumed runs) go first so that none of them starts
 # last and leaves one worker running alone at the end.
 SLOW_FILES_FIRST = ("test_slurm.py", "test_sweep_launch.py", "test_pipeline_e2e.py", "test_mcit_pipeline.py",
-                    "test_cil_pipeline.py")
+                    "test_baselines_resume.py", "test_families_launch.py", "test_cil_pipeline.py")
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:

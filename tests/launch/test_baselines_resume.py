@@ -1,7 +1,7 @@
 """The classic baselines resume exactly: Replay (its buffer), EWC (its Fisher diagonal and anchor) and LwF (its
 teacher) each killed by SIGKILL on every rank after optimizer step 3 of task 1 (checkpoint_every 2: the re-run
-resumes from step 2) end with the uninterrupted run's accuracy matrix and answers. The uninterrupted runs share one
-launch and so do the resumed ones (tests/launch/workers/family_sequences.py): 2 + one killed launch per method."""
+resumes from step 2) end with the uninterrupted run's accuracy matrix and answers. The resumed and the uninterrupted
+runs share one launch (tests/launch/workers/family_sequences.py), after one killed launch per method."""
 
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ def _configs(assets: dict[str, Path], tmp: Path, prefix: str) -> dict[str, Path]
         if method["name"] not in METHODS.names():
             continue
         path = mcit_config(assets, tmp, f"{prefix}_{name}", data=data,
-                           train={"epochs": 1, "batch_size": 8, "lr": 0.01, "checkpoint_every": 2})
+                           train={"epochs": 1, "batch_size": 8, "lr": 0.01, "checkpoint_every": 2},
+                           eval={"batch_size": 24, "zero_shot": False})
         cfg = yaml.safe_load(path.read_text())
         cfg["method"] = method
         path.write_text(yaml.safe_dump(cfg))
@@ -47,8 +48,6 @@ def test_replay_ewc_and_lwf_killed_mid_task_resume_to_the_uninterrupted_matrix(m
     killed = _configs(mcit_assets, tmp_path, "killed")
     if len(whole) < len(BASELINES):
         pytest.fail(f"baselines not registered: {sorted(set(BASELINES) - set(whole))}")
-    _ok(launch([str(c) for c in whole.values()], launcher="deepspeed", nproc=2, entry=WORKER, timeout=900),
-        list(whole.values()))
     for name, cfg in killed.items():
         r = launch(["--config", str(cfg)], launcher="deepspeed", nproc=2, entry=FAULTY, MCIT_TEST_FAULT="1:3")
         assert r.returncode != 0, name
@@ -56,8 +55,8 @@ def test_replay_ewc_and_lwf_killed_mid_task_resume_to_the_uninterrupted_matrix(m
         state = json.loads((run / "state.json").read_text())
         assert "0/commit" in state["completed"] and "1/train" not in state["completed"], name
         assert json.loads((run / "checkpoints/task_1/steps/committed.json").read_text())["global_step"] == 2, name
-    _ok(launch([str(c) for c in killed.values()], launcher="deepspeed", nproc=2, entry=WORKER, timeout=900),
-        list(killed.values()))
+    both = [*killed.values(), *whole.values()]  # the resumed runs, then the uninterrupted ones: one launch
+    _ok(launch([str(c) for c in both], launcher="deepspeed", nproc=2, entry=WORKER, timeout=900), both)
     for name in whole:
         a, b = tmp_path / "runs" / f"whole_{name}", tmp_path / "runs" / f"killed_{name}"
         got, want = (json.loads((r / "metrics.json").read_text()) for r in (b, a))

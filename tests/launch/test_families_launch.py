@@ -52,7 +52,7 @@ def test_each_family_runs_prompt_tuning_fwd_prompt_and_lora_sequences_under_deep
                 {"shards": family_assets["shards"], "backbone": family_assets[kind]}, tmp_path, f"{kind}_{method}",
                 backbone={"kind": kind, "path": str(family_assets[kind]), "tag": f"tiny_test_{kind}"},
                 train={"batch_size": 8, "lr": 0.01, "checkpoint_every": 50, "log_every": 1},
-                eval={"batch_size": 8, "max_new_tokens": 2})
+                eval={"batch_size": 8, "max_new_tokens": 2, "zero_shot": False})
             cfg = yaml.safe_load(path.read_text())
             cfg["method"] = {"name": method, **params}  # this method's parameters only
             path.write_text(yaml.safe_dump(cfg))
