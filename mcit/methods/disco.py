@@ -53,8 +53,7 @@ Numbers against the official code: tests/reference/test_disco_reference.py.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Any, Iterator, Literal, Mapping
+from typing import Any, Literal, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -63,33 +62,14 @@ from torch import nn
 
 from mcit.core.registry import METHODS
 from mcit.data.types import Batch, TaskSequence
-from mcit.methods.base import AuxiliaryBackbone, auxiliary_of
 from mcit.methods.hide_llava import instruction_text
-from mcit.methods.lora import LoRAFamily, LoRAFamilyParams, Targets
+from mcit.methods.task_lora import TaskBlocks, TaskLoRA, TaskLoRAParams
 
 Mode = Literal["train", "infer", "off"]
 
 
-class DiscoParams(LoRAFamilyParams):
-    r: int = Field(96, ge=1, description="the total rank (official lora_r); each task's subspace has rank r / tasks")
-    alpha: float = Field(192.0, gt=0, description="scaling alpha / r (the scripts: lora_alpha = 2 lora_r)")
-    dropout: float = Field(0.05, ge=0, lt=1)
-    target_modules: Targets = "all-linear"
+class DiscoParams(TaskLoRAParams):
     temperature: float = Field(0.05, gt=0, description="activation softmax temperature (official: cos / 0.05)")
-    clip_path: str = Field(..., description="CLIP whose text tower keys the subspaces (official: LLaVA-1.5's vision "
-                                            "tower checkpoint, openai/clip-vit-large-patch14-336): an HF directory, "
-                                            "or the original file for a zoo clip_tag",
-                           json_schema_extra={"input_path": True})
-    clip_tag: str = Field("local", description="backbone zoo tag of clip_path, or a label for an HF directory; "
-                                              "recorded with its sha256 in backbone.json")
-    clip_tokenizer: str | None = Field(None, description="clip_path an OpenAI file: a directory with its tokenizer",
-                                       json_schema_extra={"input_path": True})
-
-    def check_against(self, num_layers: int | None, num_tasks: int) -> None:
-        super().check_against(num_layers, num_tasks)
-        if self.r % num_tasks:
-            raise ValueError(f"method.r: {self.r} does not split over the {num_tasks} tasks (each task's subspace has "
-                             f"rank r / tasks, as the official lora_r over expert_num)")
 
 
 class SubspaceRoute:
@@ -103,21 +83,15 @@ class SubspaceRoute:
         self.gates: torch.Tensor | None = None
 
 
-class SubspaceA(nn.Module):
+class SubspaceA(TaskBlocks):
     """peft's ``lora_A`` slot: every task's A block (``task{i}``: (r/T, in)). Training: task ``task``'s block alone
     ((..., r/T)); inference: every block, each scaled by its sample's routing weight ((..., r)); off: zeros. The
     method's dropout acts on the input, as peft's slot would."""
 
     def __init__(self, blocks: list[torch.Tensor], dropout: float, route: SubspaceRoute) -> None:
-        super().__init__()
+        super().__init__(blocks)
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
-        for i, b in enumerate(blocks):
-            self.register_parameter(f"task{i}", nn.Parameter(b))
         self.route = route
-
-    @property
-    def blocks(self) -> list[nn.Parameter]:
-        return [getattr(self, f"task{i}") for i in range(len(self._parameters))]
 
     @property
     def weight(self) -> torch.Tensor:
@@ -139,19 +113,13 @@ class SubspaceA(nn.Module):
         return h * g.view(g.shape[0], *([1] * (h.dim() - 2)), g.shape[-1])
 
 
-class SubspaceB(nn.Module):
+class SubspaceB(TaskBlocks):
     """peft's ``lora_B`` slot: every task's B block (``task{i}``: (out, r/T)); training applies task ``task``'s
     block, otherwise the blocks side by side sum what ``SubspaceA`` weighted."""
 
     def __init__(self, blocks: list[torch.Tensor], route: SubspaceRoute) -> None:
-        super().__init__()
-        for i, b in enumerate(blocks):
-            self.register_parameter(f"task{i}", nn.Parameter(b))
+        super().__init__(blocks)
         self.route = route
-
-    @property
-    def blocks(self) -> list[nn.Parameter]:
-        return [getattr(self, f"task{i}") for i in range(len(self._parameters))]
 
     @property
     def weight(self) -> torch.Tensor:
@@ -164,51 +132,24 @@ class SubspaceB(nn.Module):
 
 
 @METHODS.register("disco")
-class Disco(LoRAFamily):
+class Disco(TaskLoRA):
     """``keys`` (T, D_text): each finished task's mean CLIP text feature (zeros before); ``key_count``: its samples."""
 
     name = "disco"
     Params = DiscoParams
-    has_subspace_stage = True
-
-    @classmethod
-    def auxiliary_backbones(cls, params: DiscoParams) -> dict[str, AuxiliaryBackbone]:
-        return {"clip": AuxiliaryBackbone("clip", params.clip_path, params.clip_tag, params.clip_tokenizer,
-                                          key="method.clip_path")}
 
     def __init__(self, params: DiscoParams, backbone: nn.Module, sequence: TaskSequence, *,
                  auxiliary: Mapping[str, nn.Module] | None = None) -> None:
-        clip = auxiliary_of(auxiliary, "clip", self.name)
         self.route = SubspaceRoute()  # before the layers are built: every A / B module reads it
-        super().__init__(params, backbone, sequence)
-        object.__setattr__(self, "clip", clip)  # frozen, by reference: not in the state dict
+        super().__init__(params, backbone, sequence, auxiliary=auxiliary)
         T = len(sequence)
-        self.register_buffer("keys", torch.zeros(T, int(clip.text_hidden_size)))  # the official zeros
+        self.register_buffer("keys", torch.zeros(T, int(self.clip.text_hidden_size)))  # the official zeros
         self.register_buffer("key_count", torch.zeros(T))
         self.set_task(0)
 
-    def adapter_pair(self, m: nn.Module, kw: dict) -> tuple[nn.Module, nn.Module]:
-        """One subspace per task of rank r / T: A normal(0, 0.01), B zero (the official reset_lora_parameters)."""
-        T = len(self.sequence)
-        k = self.params.r // T
-        a = [torch.empty(k, m.in_features, **kw).normal_(0.0, 0.01) for _ in range(T)]
-        b = [torch.zeros(m.out_features, k, **kw) for _ in range(T)]
+    def task_slots(self, a: list[torch.Tensor], b: list[torch.Tensor]) -> tuple[nn.Module, nn.Module]:
+        """One subspace per task of rank r / T."""
         return SubspaceA(a, self.params.dropout, self.route), SubspaceB(b, self.route)
-
-    def set_task(self, task: int) -> None:
-        """Task ``task`` trains its own subspace (the official optimizer holds every subspace; only lora_id's is
-        used)."""
-        super().set_task(task)
-        for m in self.adapters.values():
-            for slot in (m["A"], m["B"]):
-                for i, p in enumerate(slot.blocks):
-                    p.requires_grad_(i == task)
-        self.set_adapter_mode("train")
-
-    def trainable_parameters(self) -> list[nn.Parameter]:
-        t = self.current_task
-        return [p for m in self.adapters.values() for p in (m["A"].blocks[t], m["B"].blocks[t])] + \
-            self.projector_parameters()
 
     # -- subspace selective activation ----------------------------------------------------------------------
     def set_adapter_mode(self, mode: Mode, weights: torch.Tensor | None = None) -> None:
@@ -242,16 +183,6 @@ class Disco(LoRAFamily):
         else:
             self.set_adapter_mode("infer", self.route_weights(self.text_features(batch)))
         return None, {}
-
-    @contextmanager
-    def zero_shot(self) -> Iterator[None]:
-        """The pre-trained MLLM: the adapters add nothing."""
-        with super().zero_shot():
-            self.set_adapter_mode("off")
-            try:
-                yield
-            finally:
-                self.set_adapter_mode("train")
 
     # -- the keys (subspace stage) ----------------------------------------------------------------------------
     def statistics(self, batch: Batch) -> dict[str, torch.Tensor]:

@@ -48,8 +48,7 @@ Numbers against the official code: tests/reference/test_hide_llava_reference.py.
 from __future__ import annotations
 
 import re
-from contextlib import contextmanager
-from typing import Any, Iterator, Literal, Mapping
+from typing import Any, Literal, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -58,36 +57,17 @@ from torch import nn
 
 from mcit.core.registry import METHODS
 from mcit.data.types import Batch, TaskSequence
-from mcit.methods.base import AuxiliaryBackbone, auxiliary_of
-from mcit.methods.lora import LoRAFamily, LoRAFamilyParams, Targets
+from mcit.methods.task_lora import TaskBlocks, TaskLoRA, TaskLoRAParams
 
 Mode = Literal["train", "infer", "off"]
 _IMAGE_PLACEHOLDER = "<image>"
 
 
-class HiDeLlavaParams(LoRAFamilyParams):
-    r: int = Field(96, ge=1, description="the total rank (official lora_r); each task's pair has rank r / tasks")
-    alpha: float = Field(192.0, gt=0, description="scaling alpha / r (the scripts: lora_alpha = 2 lora_r)")
-    dropout: float = Field(0.05, ge=0, lt=1)
-    target_modules: Targets = "all-linear"
+class HiDeLlavaParams(TaskLoRAParams):
     temperature: float = Field(0.1, gt=0, description="routing softmax temperature (official: sim / 0.1)")
-    clip_path: str = Field(..., description="CLIP for the routing anchors (official: LLaVA-1.5's vision tower "
-                                            "checkpoint, openai/clip-vit-large-patch14-336): an HF directory, or "
-                                            "the original file for a zoo clip_tag",
-                           json_schema_extra={"input_path": True})
-    clip_tag: str = Field("local", description="backbone zoo tag of clip_path, or a label for an HF directory; "
-                                              "recorded with its sha256 in backbone.json")
-    clip_tokenizer: str | None = Field(None, description="clip_path an OpenAI file: a directory with its tokenizer",
-                                       json_schema_extra={"input_path": True})
-
-    def check_against(self, num_layers: int | None, num_tasks: int) -> None:
-        super().check_against(num_layers, num_tasks)
-        if self.r % num_tasks:
-            raise ValueError(f"method.r: {self.r} does not split over the {num_tasks} tasks (each task's LoRA pair "
-                             f"has rank r / tasks, as the official lora_r over expert_num)")
 
 
-class _TaskA(nn.Module):
+class _TaskA(TaskBlocks):
     """peft's ``lora_A`` slot: every task's A block (``task{i}``: (r/T, in)), its output the concatenation over
     tasks of what each block contributes (``mode``, set before each forward by the method):
 
@@ -97,18 +77,12 @@ class _TaskA(nn.Module):
     ``dropout`` (the method's, so it follows its train / eval mode) acts on the input, as peft's slot would."""
 
     def __init__(self, blocks: list[torch.Tensor], dropout: float) -> None:
-        super().__init__()
+        super().__init__(blocks)
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
-        for i, b in enumerate(blocks):
-            self.register_parameter(f"task{i}", nn.Parameter(b))
         self.top = False
         self.mode: Mode = "train"
         self.task = 0
         self.gates: torch.Tensor | None = None
-
-    @property
-    def blocks(self) -> list[nn.Parameter]:
-        return [getattr(self, f"task{i}") for i in range(len(self._parameters))]
 
     @property
     def weight(self) -> torch.Tensor:
@@ -138,18 +112,9 @@ class _TaskA(nn.Module):
         return h * g.view(g.shape[0], *([1] * (h.dim() - 2)), g.shape[-1])
 
 
-class _TaskB(nn.Module):
+class _TaskB(TaskBlocks):
     """peft's ``lora_B`` slot: every task's B block (``task{i}``: (out, r/T)) concatenated along the rank, so that
     it sums ``B_i h_i`` over the blocks ``_TaskA`` filled."""
-
-    def __init__(self, blocks: list[torch.Tensor]) -> None:
-        super().__init__()
-        for i, b in enumerate(blocks):
-            self.register_parameter(f"task{i}", nn.Parameter(b))
-
-    @property
-    def blocks(self) -> list[nn.Parameter]:
-        return [getattr(self, f"task{i}") for i in range(len(self._parameters))]
 
     @property
     def weight(self) -> torch.Tensor:
@@ -174,25 +139,17 @@ def instruction_text(question: str) -> str:
 
 
 @METHODS.register("hide_llava")
-class HiDeLlava(LoRAFamily):
+class HiDeLlava(TaskLoRA):
     name = "hide_llava"
     Params = HiDeLlavaParams
-    has_subspace_stage = True
-
-    @classmethod
-    def auxiliary_backbones(cls, params: HiDeLlavaParams) -> dict[str, AuxiliaryBackbone]:
-        return {"clip": AuxiliaryBackbone("clip", params.clip_path, params.clip_tag, params.clip_tokenizer,
-                                          key="method.clip_path")}
 
     def __init__(self, params: HiDeLlavaParams, backbone: nn.Module, sequence: TaskSequence, *,
                  auxiliary: Mapping[str, nn.Module] | None = None) -> None:
-        clip = auxiliary_of(auxiliary, "clip", self.name)
-        super().__init__(params, backbone, sequence)
-        object.__setattr__(self, "clip", clip)  # frozen, by reference: not in the state dict
+        super().__init__(params, backbone, sequence, auxiliary=auxiliary)
         T = len(sequence)
         # the official anchors: 0.1 randn, their count (boundary) 1
-        self.register_buffer("image_anchors", 0.1 * torch.randn(T, int(clip.projection_dim)))
-        self.register_buffer("text_anchors", 0.1 * torch.randn(T, int(clip.text_hidden_size)))
+        self.register_buffer("image_anchors", 0.1 * torch.randn(T, int(self.clip.projection_dim)))
+        self.register_buffer("text_anchors", 0.1 * torch.randn(T, int(self.clip.text_hidden_size)))
         self.register_buffer("anchor_count", torch.ones(T))
         blocks = {name: block_index(name.replace("__", ".")) for name in self.adapters}
         self.top_layer = max(blocks.values())
@@ -200,27 +157,8 @@ class HiDeLlava(LoRAFamily):
             m["A"].top = blocks[name] == self.top_layer
         self.set_task(0)
 
-    def adapter_pair(self, m: nn.Module, kw: dict) -> tuple[nn.Module, nn.Module]:
-        """One pair per task of rank r / T: A normal(0, 0.01), B zero (the official reset_lora_parameters)."""
-        T = len(self.sequence)
-        k = self.params.r // T
-        a = [torch.empty(k, m.in_features, **kw).normal_(0.0, 0.01) for _ in range(T)]
-        b = [torch.zeros(m.out_features, k, **kw) for _ in range(T)]
+    def task_slots(self, a: list[torch.Tensor], b: list[torch.Tensor]) -> tuple[nn.Module, nn.Module]:
         return _TaskA(a, self.params.dropout), _TaskB(b)
-
-    def set_task(self, task: int) -> None:
-        """Only task ``task``'s pair trains (the official optimizer holds every pair, but only this one is used)."""
-        super().set_task(task)
-        for m in self.adapters.values():
-            for slot in (m["A"], m["B"]):
-                for i, p in enumerate(slot.blocks):
-                    p.requires_grad_(i == task)
-        self.set_adapter_mode("train")
-
-    def trainable_parameters(self) -> list[nn.Parameter]:
-        t = self.current_task
-        return [p for m in self.adapters.values() for p in (m["A"].blocks[t], m["B"].blocks[t])] + \
-            self.projector_parameters()
 
     # -- the hierarchy --------------------------------------------------------------------------------
     def set_adapter_mode(self, mode: Mode, weights: torch.Tensor | None = None) -> None:
@@ -279,16 +217,6 @@ class HiDeLlava(LoRAFamily):
         else:
             self.set_adapter_mode("infer", self.route(*self.guide_features(batch)))
         return None, {}
-
-    @contextmanager
-    def zero_shot(self) -> Iterator[None]:
-        """The pre-trained MLLM: the adapters add nothing."""
-        with super().zero_shot():
-            self.set_adapter_mode("off")
-            try:
-                yield
-            finally:
-                self.set_adapter_mode("train")
 
     # -- anchors (subspace stage) --------------------------------------------------------------------
     def statistics(self, batch: Batch) -> dict[str, torch.Tensor]:

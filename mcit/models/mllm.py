@@ -166,7 +166,8 @@ class MLLMBackbone(Backbone):
         """A tiny model of the family built from its config classes (random weights from ``seed``) and its
         processor, with a tokenizer trained on ``texts``: what the family tests and the launcher runs load
         (``save_pretrained`` both into one directory). Every family provides one."""
-        raise NotImplementedError(f"family {cls.kind or cls.__name__} has no tiny model (MLLMBackbone.tiny)")
+        raise BackboneError(f"family {cls.kind or cls.__name__} defines no tiny model: a family implements "
+                            f"MLLMBackbone.tiny (docs/architecture.md, adding a family)")
 
     @classmethod
     def offline_processor(cls, path: str) -> Any:
