@@ -49,15 +49,10 @@ from torch import nn
 from mcit.core.registry import METHODS
 from mcit.data.types import Batch, TaskSequence
 from mcit.methods.base import LossTerms
-from mcit.methods.lora import Lora, LoRAFamilyParams, Targets
+from mcit.methods.lora import Lora, SwiftLoRAParams
 
 
-class EWCParams(LoRAFamilyParams):
-    r: int = Field(64, ge=1)
-    alpha: float = Field(32.0, gt=0)
-    dropout: float = Field(0.05, ge=0, lt=1)
-    target_modules: Targets = "all-linear"
-    train_projector: bool = False
+class EWCParams(SwiftLoRAParams):
     ewc_lambda: float = Field(0.5, ge=0, description="weight of the penalty (EWC_lambda)")
     fisher_limit: Optional[int] = Field(200, ge=1, description="samples per rank the Fisher averages (EWC_limit); "
                                                                "null: all")

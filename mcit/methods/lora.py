@@ -186,6 +186,17 @@ class LoRAFamily(InstructionMethod, abc.ABC):
         return groups
 
 
+class SwiftLoRAParams(LoRAFamilyParams):
+    """ms-swift's LoRA defaults, with which ECNU-SII/Continual-NExT's scripts run EWC and LwF on MLLMs: rank 64,
+    alpha 32, dropout 0.05, every linear layer of the LLM, the aligner (projector) frozen."""
+
+    r: int = Field(64, ge=1)
+    alpha: float = Field(32.0, gt=0)
+    dropout: float = Field(0.05, ge=0, lt=1)
+    target_modules: Targets = "all-linear"
+    train_projector: bool = False
+
+
 class LoraParams(LoRAFamilyParams):
     """LoRA's own: the family's defaults."""
 

@@ -46,15 +46,10 @@ from torch import nn
 from mcit.core.registry import METHODS
 from mcit.data.types import Batch, TaskSequence
 from mcit.methods.base import LossTerms
-from mcit.methods.lora import DropoutLinear, Lora, LoRAFamilyParams, Targets
+from mcit.methods.lora import DropoutLinear, Lora, SwiftLoRAParams
 
 
-class LwFParams(LoRAFamilyParams):
-    r: int = Field(64, ge=1)
-    alpha: float = Field(32.0, gt=0)
-    dropout: float = Field(0.05, ge=0, lt=1)
-    target_modules: Targets = "all-linear"
-    train_projector: bool = False
+class LwFParams(SwiftLoRAParams):
     temperature: float = Field(2.0, gt=0, description="the distillation temperature T")
     lwf_alpha: float = Field(0.001, ge=0, description="weight of the distillation term (the trainer's alpha)")
     kl_positions: Literal["all", "answer"] = Field("all", description="all: every non-padding position (official "
