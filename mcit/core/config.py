@@ -77,6 +77,8 @@ class TaskSpec(_Strict):
     train: str
     test: str
     scorer: str | None = Field(None, description="instruction tasks: overrides the manifest's scorer")
+    epochs: int | None = Field(None, ge=1, description="this task's training epochs (default: train.epochs); "
+                                                       "MLLM-DCL's official scripts give each domain its own")
 
 
 class DataConfig(_Strict):
@@ -185,8 +187,15 @@ class TrainConfig(_Strict):
     weight_decay: float = Field(0.0, ge=0)
     momentum: float = Field(0.9, ge=0)
     grad_clip: float = Field(0.0, ge=0, description="0 disables clipping")
-    lr_schedule: Literal["constant", "cosine", "multistep"] = Field(
-        "constant", description="per-epoch learning-rate schedule within each task (restarts every task)")
+    lr_schedule: Literal["constant", "cosine", "multistep", "warmup_cosine", "warmup_log"] = Field(
+        "constant", description="learning-rate schedule within each task (restarts every task). constant, cosine, "
+                                "multistep: per epoch, as the CIL papers' timm schedulers. Per optimizer step, as "
+                                "the LLaVA trainer: warmup_cosine is transformers' get_cosine_schedule_with_warmup "
+                                "(--lr_scheduler_type cosine --warmup_ratio); warmup_log is DeepSpeed's WarmupLR "
+                                "(log warmup, then constant: a DeepSpeed config whose scheduler block is WarmupLR)")
+    warmup_ratio: float = Field(0.0, ge=0, lt=1, description="warmup_cosine / warmup_log: warmup over "
+                                                               "ceil(warmup_ratio x the task's optimizer steps), as "
+                                                               "transformers' TrainingArguments.get_warmup_steps")
     lr_min: float = Field(0.0, ge=0, description="cosine: the floor every parameter group decays to (timm's "
                                                    "min_lr: 1e-5 in the HiDe-Prompt / NoRGa code bases)")
     lr_milestones: list[int] = Field(default_factory=list, description="multistep: epochs where lr *= lr_decay")
@@ -204,6 +213,13 @@ class TrainConfig(_Strict):
     collective_timeout_s: float = Field(
         1800.0, gt=0, description="a collective that does not complete within this (a dead or stuck rank) ends the "
                                   "run with an error naming the stage")
+
+    @model_validator(mode="after")
+    def _warmup_needs_a_step_schedule(self) -> "TrainConfig":
+        if self.warmup_ratio and not self.lr_schedule.startswith("warmup_"):
+            raise ValueError(f"train.warmup_ratio ({self.warmup_ratio}) is read by lr_schedule warmup_cosine or "
+                             f"warmup_log only (lr_schedule is {self.lr_schedule})")
+        return self
 
 
 class EvalConfig(_Strict):
@@ -259,6 +275,12 @@ class RunConfig(_Strict):
     meta: dict[str, Any] = Field(
         default_factory=dict, description="labels recorded with the run and copied into metrics.json (a sweep "
                                           "puts its setting, seed and task order here); no effect on training")
+
+    def task_epochs(self, task: int) -> int:
+        """Training epochs of task ``task`` (its own ``epochs`` where the task spec gives one)."""
+        spec = self.data.tasks[task]
+        own = None if isinstance(spec, str) else spec.epochs
+        return own or self.train.epochs
 
     def resolved_run_dir(self) -> Path:
         return Path(self.run_dir) if self.run_dir else Path("runs") / self.name

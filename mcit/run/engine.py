@@ -196,19 +196,49 @@ def consolidated_state(engine: Any, stage: int) -> dict[str, torch.Tensor]:
     return state
 
 
-def lr_factor(cfg: RunConfig, step: int, steps_per_epoch: int, base_lr: float | None = None) -> float:
+def lr_factor(cfg: RunConfig, step: int, steps_per_epoch: int, base_lr: float | None = None,
+              epochs: int | None = None) -> float:
     """``train.lr_schedule`` at optimizer step ``step`` (epoch-wise, as the papers' timm schedulers), as a
     factor of the group's ``base_lr``. Cosine decays to the absolute floor ``lr_min`` for every group, as
-    timm's CosineLRScheduler does (so a head at 0.1 x lr reaches the same floor as the prompts)."""
+    timm's CosineLRScheduler does (so a head at 0.1 x lr reaches the same floor as the prompts). ``epochs``: the
+    task's (default ``train.epochs``)."""
     t = cfg.train
+    n = epochs or t.epochs
     epoch = step // max(steps_per_epoch, 1)
     if t.lr_schedule == "cosine":
-        cos = 0.5 * (1 + math.cos(math.pi * min(epoch, t.epochs) / t.epochs))
+        cos = 0.5 * (1 + math.cos(math.pi * min(epoch, n) / n))
         base = t.lr if base_lr is None else base_lr
         return (t.lr_min + (base - t.lr_min) * cos) / base
     if t.lr_schedule == "multistep":
         return t.lr_decay ** sum(1 for m in t.lr_milestones if epoch >= m)
     return 1.0
+
+
+def warmup_steps(cfg: RunConfig, total_steps: int) -> int:
+    """The LLaVA trainer's warmup length: ``ceil(warmup_ratio x total optimizer steps)``
+    (transformers' ``TrainingArguments.get_warmup_steps``)."""
+    return math.ceil(total_steps * cfg.train.warmup_ratio)
+
+
+def make_scheduler(cfg: RunConfig, optimizer: Any, steps_per_epoch: int, epochs: int | None = None) -> Any:
+    """The task's learning-rate scheduler, stepped by DeepSpeed after every optimizer step. The step-wise ones
+    are the libraries' own, so a config copied from a LLaVA-trainer script schedules as that script did:
+    transformers' cosine with linear warmup (every group decays from its own lr to 0 at the task's last step) and
+    DeepSpeed's WarmupLR (log warmup from 0 to each group's lr, then constant)."""
+    t = cfg.train
+    total = steps_per_epoch * (epochs or t.epochs)
+    if t.lr_schedule == "warmup_cosine":
+        from transformers import get_cosine_schedule_with_warmup
+
+        return get_cosine_schedule_with_warmup(optimizer, warmup_steps(cfg, total), total)
+    if t.lr_schedule == "warmup_log":
+        from deepspeed.runtime.lr_schedules import WarmupLR
+
+        return WarmupLR(optimizer, warmup_min_lr=0.0, warmup_max_lr=[g["lr"] for g in optimizer.param_groups],
+                        warmup_num_steps=max(warmup_steps(cfg, total), 1), warmup_type="log")
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, [functools.partial(lr_factor, cfg, steps_per_epoch=steps_per_epoch, base_lr=g["lr"], epochs=epochs)
+                    for g in optimizer.param_groups])
 
 
 def optimizer_groups(cfg: RunConfig, method: Method) -> list[dict]:
@@ -220,8 +250,10 @@ def optimizer_groups(cfg: RunConfig, method: Method) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
-def setup_engine(cfg: RunConfig, method: Method, world: int, steps_per_epoch: int = 1) -> tuple[Any, int]:
-    """deepspeed.initialize over the method's trainable parameters; returns (engine, ZeRO stage)."""
+def setup_engine(cfg: RunConfig, method: Method, world: int, steps_per_epoch: int = 1,
+                 epochs: int | None = None) -> tuple[Any, int]:
+    """deepspeed.initialize over the method's trainable parameters (``epochs``: the task's, for its learning-rate
+    schedule); returns (engine, ZeRO stage)."""
     import deepspeed
 
     if not method.trainable_parameters():
@@ -235,9 +267,8 @@ def setup_engine(cfg: RunConfig, method: Method, world: int, steps_per_epoch: in
     else:
         kwargs["optimizer"] = make_optimizer(cfg, params)
     if cfg.train.lr_schedule != "constant":
-        kwargs["lr_scheduler"] = lambda opt: torch.optim.lr_scheduler.LambdaLR(
-            opt, [functools.partial(lr_factor, cfg, steps_per_epoch=steps_per_epoch, base_lr=g["lr"])
-                  for g in opt.param_groups])
+        kwargs["lr_scheduler"] = functools.partial(make_scheduler, cfg, steps_per_epoch=steps_per_epoch,
+                                                   epochs=epochs)
     engine, _, _, _ = deepspeed.initialize(**kwargs)
     return engine, stage
 
@@ -318,8 +349,9 @@ class TaskTrainer:
         counts = rank_counts(split, world, policy)
         live_windows = sum(1 for w0 in range(0, steps_epoch, gas)
                            if sum(global_valid(counts, k, B) for k in range(w0, w0 + gas)) > 0)
-        total_opt_steps = t.epochs * live_windows
-        engine, stage = setup_engine(cfg, method, world, live_windows)
+        n_epochs = cfg.task_epochs(task)
+        total_opt_steps = n_epochs * live_windows
+        engine, stage = setup_engine(cfg, method, world, live_windows, n_epochs)
         epoch0, micro0, gstep = 0, 0, 0
         committed = step_dir / COMMITTED
         if committed.is_file():
@@ -345,11 +377,11 @@ class TaskTrainer:
             return finite_loss_guard(loss, task, gstep + 1)
 
         epochs = [Epoch(micro0 if epoch == epoch0 else 0, data_seed(cfg.seed, task, epoch, rank),
-                        data_seed(cfg.seed + 13, task, epoch, 0)) for epoch in range(epoch0, t.epochs)]
+                        data_seed(cfg.seed + 13, task, epoch, 0)) for epoch in range(epoch0, n_epochs)]
         stream = train_epochs(split, epochs, rank=rank, world=world, batch_size=B, num_steps=steps_epoch, policy=policy,
                               shuffle_buffer=cfg.data.shuffle_buffer, collate=collate, loader=self.loader)
         with contextlib.closing(stream) as batches:  # the loader workers stop here, whatever ends the loop
-            for epoch, e in zip(range(epoch0, t.epochs), epochs):
+            for epoch, e in zip(range(epoch0, n_epochs), epochs):
                 # the range first: zip stops at the epoch's end without taking the next epoch's first batch
                 for s, batch in zip(range(e.skip_steps, steps_epoch), batches):
                     w0 = (s // gas) * gas

@@ -135,6 +135,9 @@ class Pipeline:
         if overrides:  # this phase's own epochs / lr / optimizer (validated like the config)
             train = type(cfg.train).model_validate({**cfg.train.model_dump(), **overrides})
             cfg = cfg.model_copy(update={"train": train})
+            if "epochs" in overrides:  # the phase's epochs win over a task's own
+                tasks = [s if isinstance(s, str) else s.model_copy(update={"epochs": None}) for s in cfg.data.tasks]
+                cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"tasks": tasks})})
         trainer = TaskTrainer(cfg, self.logger, self.run_dir.preempt_request, self.plan.loader)
         collate = self.host.collate(t, train=True)
         self.host.train(t, phase, lambda method: trainer.train(method, t, self.plan.train[t], collate,

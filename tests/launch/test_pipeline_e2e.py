@@ -271,13 +271,29 @@ def test_evaluate_fills_in_a_lost_row(reference_run, work):
     assert (run_dir / "state.json").read_text() == (ref_dir / "state.json").read_text()
 
 
-def test_plain_python_single_process_with_zero3(assets, work):
-    cfg = tiny_config(assets, work, "zero3", data={"tasks": ["task0", "task1"]},
-                      train={"deepspeed_config": "deepspeed_configs/zero3.json", "grad_accum": 2})
+def test_plain_python_single_process_with_zero3_and_a_task_s_own_epochs(assets, work):
+    """ZeRO-3 in one plain process; task1 trains its own 1 epoch (data.tasks[].epochs, as MLLM-DCL's scripts
+    give each domain its own; train.epochs 2) under the step-wise warm-up cosine, restarted for the task."""
+    root = assets["shards"]
+    tasks = [{"name": t, "train": str(root / t / "train"), "test": str(root / t / "test"), **extra}
+             for t, extra in (("task0", {}), ("task1", {"epochs": 1}))]
+    cfg = tiny_config(assets, work, "zero3", data={"tasks": tasks},
+                      train={"deepspeed_config": "deepspeed_configs/zero3.json", "grad_accum": 2,
+                             "lr_schedule": "warmup_cosine", "warmup_ratio": 0.3, "log_every": 1})
     res = launch(["--config", str(cfg)], launcher="python")
     assert res.returncode == 0, res.stderr[-3000:]
     m = json.loads((work / "runs" / "zero3" / "metrics.json").read_text())
     assert m["complete"] and m["acc_matrix"][0][0] > 50.0
+    logs = [json.loads(ln) for ln in (work / "runs" / "zero3" / "logs" / "train.jsonl").read_text().splitlines()]
+    steps = {t: [r for r in logs if r.get("task") == t and "lr" in r] for t in (0, 1)}
+    epochs = {t: [r["epoch"] for r in steps[t]] for t in (0, 1)}
+    assert epochs[0].count(0) == epochs[0].count(1) >= 3 and set(epochs[0]) == {0, 1}
+    assert set(epochs[1]) == {0} and len(epochs[1]) >= 3
+    for t in (0, 1):  # the lr after each step: up from 0 over the warm-up, down to 0 at the task's own last step
+        lrs = [r["lr"] for r in steps[t]]
+        peak = lrs.index(max(lrs))
+        assert max(lrs) == pytest.approx(0.05) and lrs[-1] == pytest.approx(0.0, abs=1e-12)
+        assert lrs[:peak + 1] == sorted(lrs[:peak + 1]) and lrs[peak:] == sorted(lrs[peak:], reverse=True)
 
 
 def test_torchrun_two_processes_with_zero3_cpu_offload(assets, work):

@@ -201,6 +201,117 @@ def test_cosine_schedule_decays_every_group_to_the_same_floor_as_timm():
     assert seen == [pytest.approx(lrs, rel=1e-9) for lrs in timm]
 
 
+def _llava_trainer_lrs(schedule: str, lrs: list[float], warmup_ratio: float, total: int, tmp_path) -> list[list]:
+    """What the LLaVA trainer (transformers' Trainer) gives each of ``total`` optimizer steps: the cosine
+    schedule from ``Trainer.create_scheduler`` with ``--lr_scheduler_type cosine --warmup_ratio``; WarmupLR as
+    transformers' DeepSpeed integration fills a config's ``"auto"`` values (warmup_min_lr 0, warmup_max_lr the
+    learning rate, warmup_num_steps ``get_warmup_steps``: ModalPrompt's zero3_offload.json)."""
+    from deepspeed.runtime.lr_schedules import WarmupLR
+    from transformers import Trainer, TrainingArguments
+
+    out = []
+    for lr in lrs:
+        # transformers 5 reads a warmup_steps below 1 as the ratio (--warmup_ratio of the 4.31 / 4.37 the LLaVA
+        # code bases pin: the same ceil(ratio x steps))
+        args = TrainingArguments(output_dir=str(tmp_path / "hf"), learning_rate=lr, lr_scheduler_type="cosine",
+                                 warmup_steps=warmup_ratio, report_to=[], use_cpu=True)
+        opt = torch.optim.AdamW([nn.Parameter(torch.zeros(1))], lr=lr)
+        if schedule == "warmup_cosine":
+            trainer = Trainer(model=nn.Linear(1, 1), args=args)
+            sched = trainer.create_scheduler(total, optimizer=opt)
+        else:
+            sched = WarmupLR(opt, warmup_min_lr=0, warmup_max_lr=lr, warmup_num_steps=args.get_warmup_steps(total))
+        seen = []
+        for _ in range(total):
+            seen.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        out.append(seen)
+    return [list(step) for step in zip(*out)]
+
+
+@pytest.mark.parametrize("schedule", ["warmup_cosine", "warmup_log"])
+def test_step_schedules_follow_the_llava_trainer_over_the_task_s_own_epochs(schedule, tmp_path):
+    """The step-wise schedules of the MCIT configs give every optimizer step (DeepSpeed steps the scheduler) the
+    lr the LLaVA trainer gives it, per group (a projector at its own lr), over the task's epochs (3 here,
+    train.epochs 1): 4 steps an epoch, warmup ceil(0.2 x 12) = 3 steps."""
+    from mcit.core import distributed as dist
+    from mcit.run.engine import setup_engine, train_step
+
+    dist.init()
+    lr = 0.002
+    cfg = validate_config({"name": "p", "backbone": {"path": "unused"}, "data": {"tasks": ["a"], "root": "."},
+                           "method": {"name": "test_two_groups"},
+                           "train": {"lr": lr, "optimizer": "adamw", "batch_size": 8, "epochs": 1,
+                                     "lr_schedule": schedule, "warmup_ratio": 0.2,
+                                     "deepspeed_config": "deepspeed_configs/zero2.json"}})
+    seq = TaskSequence.from_label_spaces(["a"], [[0, 1, 2]])
+    engine, _ = setup_engine(cfg, METHODS.get("test_two_groups")(cfg.method.params(), nn.Identity(), seq), 1,
+                             steps_per_epoch=4, epochs=3)
+    g = torch.Generator().manual_seed(1)
+    seen = []
+    for _ in range(12):
+        seen.append([group["lr"] for group in engine.optimizer.param_groups])
+        train_step(engine, Batch(torch.randn(8, D, generator=g), torch.randint(0, 3, (8,), generator=g),
+                                 torch.ones(8), 0), 1.0 / 8)
+    engine.destroy()
+    want = _llava_trainer_lrs(schedule, [lr, 0.1 * lr], 0.2, 12, tmp_path)
+    assert seen == [pytest.approx(w, rel=1e-9, abs=1e-15) for w in want]
+    assert max(s[0] for s in seen) == pytest.approx(lr) and seen[0][0] == 0.0  # warm-up from 0 to the peak
+    if schedule == "warmup_cosine":
+        assert 0 < seen[-1][0] < 0.05 * lr  # decays to 0 at the 12th step
+    else:
+        assert seen[-1] == pytest.approx([lr, 0.1 * lr])  # constant after the warm-up
+
+
+@pytest.mark.parametrize("schedule", ["warmup_cosine", "warmup_log"])
+def test_a_step_schedule_resumes_from_the_step_checkpoint(schedule, tmp_path):
+    """A run resumed from a step checkpoint goes on with the schedule where it stopped (not from its warm-up)."""
+    from mcit.core import distributed as dist
+    from mcit.run.engine import setup_engine, train_step
+
+    dist.init()
+    cfg = validate_config({"name": "p", "backbone": {"path": "unused"}, "data": {"tasks": ["a"], "root": "."},
+                           "method": {"name": "test_two_groups"},
+                           "train": {"lr": 0.002, "optimizer": "adamw", "batch_size": 8, "lr_schedule": schedule,
+                                     "warmup_ratio": 0.2, "deepspeed_config": "deepspeed_configs/zero2.json"}})
+    seq = TaskSequence.from_label_spaces(["a"], [[0, 1, 2]])
+
+    def engine():
+        return setup_engine(cfg, METHODS.get("test_two_groups")(cfg.method.params(), nn.Identity(), seq), 1,
+                            steps_per_epoch=12)[0]
+
+    def steps(eng, n):
+        g, seen = torch.Generator().manual_seed(1), []
+        for _ in range(n):  # each step's lr
+            seen.append([group["lr"] for group in eng.optimizer.param_groups])
+            train_step(eng, Batch(torch.randn(8, D, generator=g), torch.randint(0, 3, (8,), generator=g),
+                                  torch.ones(8), 0), 1.0 / 8)
+        return seen
+
+    whole = engine()
+    want = steps(whole, 8)[2:]
+    whole.destroy()
+    first = engine()
+    steps(first, 2)  # inside the warm-up (3 steps)
+    first.save_checkpoint(str(tmp_path), tag="s2")
+    first.destroy()
+    again = engine()
+    again.load_checkpoint(str(tmp_path), tag="s2")
+    got = steps(again, 6)
+    again.destroy()
+    assert got == [pytest.approx(w, rel=1e-12) for w in want] and got[0] != got[-1]
+
+
+def test_warmup_ratio_without_a_step_schedule_is_a_config_error():
+    from mcit.core.config import ConfigError
+
+    with pytest.raises((ConfigError, ValueError), match="train.warmup_ratio .* warmup_cosine or warmup_log"):
+        validate_config({"name": "p", "backbone": {"path": "unused"}, "data": {"tasks": ["a"], "root": "."},
+                         "method": {"name": "test_two_groups"},
+                         "train": {"lr_schedule": "cosine", "warmup_ratio": 0.03}})
+
+
 def test_one_projected_sgd_step_moves_down_the_projected_gradient():
     """One plain SGD step (no momentum, no decay) through the engine lands on w0 - lr * P grad, the gradient
     taken by autograd outside the engine: the projection keeps the update's direction and sign (a flipped
