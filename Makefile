@@ -5,13 +5,17 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 NPROC  ?= 2
 DEMO_CONFIGS ?= configs/tiny_mcit_prompt_tuning.yaml configs/tiny_mcit_fwd_prompt.yaml configs/tiny_mcit_lora.yaml \
-                configs/tiny_mcit_olora.yaml configs/tiny_mcit_moelora.yaml configs/tiny_mcit_multitask.yaml
+                configs/tiny_mcit_olora.yaml configs/tiny_mcit_moelora.yaml configs/tiny_mcit_multitask.yaml \
+                configs/tiny_mcit_modal_prompt.yaml configs/tiny_mcit_cl_moe.yaml configs/tiny_mcit_replay.yaml
+# The other MCIT methods (`make demo-more`: HiDe-LLaVA and DISCO route with the tiny CLIP of `make data-cil`)
+MORE_CONFIGS ?= configs/tiny_mcit_sefe.yaml configs/tiny_mcit_hide_llava.yaml configs/tiny_mcit_disco.yaml \
+                configs/tiny_mcit_ewc.yaml configs/tiny_mcit_lwf.yaml
 CIL_METHODS  ?= seq l2p l2p_pgp dualprompt dualprompt_pgp coda_prompt hide_prompt norga vpt_nsp2 soft_tf soft_tf_gradient_id soft_tf_gradient_id_batch l2p_soft_tf clip_zero_shot vpt_nsp2_clip star_prompt
 CIL_CONFIGS  ?= $(foreach m,$(CIL_METHODS),configs/digits_$(m).yaml)
 DATA_ENV := DS_ACCELERATOR=cpu
 RUN := PATH=$(abspath $(BIN)):$$PATH DS_ACCELERATOR=cpu CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1
 
-.PHONY: install data data-cil demo demo-cil study-cil study-mcit sweep-demo lint test test-unit mutate bench clean clean-data
+.PHONY: install data data-cil demo demo-more demo-cil study-cil study-mcit sweep-demo lint test test-unit mutate bench clean clean-data
 
 install: $(VENV)/.installed
 
@@ -60,16 +64,30 @@ demo: data
 	done
 	$(BIN)/python -m mcit.cli.report --zero-shot-of runs/tiny_mcit_lora $(foreach c,$(DEMO_CONFIGS),runs/$(basename $(notdir $(c))))
 
-# The MCIT study behind the README's table (about 35 minutes here): every demo method's learning rate and
-# Fwd-Prompt's ablations, 3 seeds each, judged on a validation carve of the training data; then the chosen
-# defaults over 3 seeds on the test split; then the tables and figures (docs/mcit_study.md, docs/mcit_study_*.png).
+# The rest of the MCIT methods on the embedded default (after `make demo`), then one table of every MCIT run.
+demo-more: data data-cil
+	@for c in $(MORE_CONFIGS); do \
+	  echo "== deepspeed --num_gpus $(NPROC) pipelines/run_task_sequence.py --config $$c"; \
+	  $(RUN) deepspeed --log_level=error --num_gpus $(NPROC) pipelines/run_task_sequence.py --config $$c || exit 1; \
+	done
+	$(BIN)/python -m mcit.cli.report --zero-shot-of runs/tiny_mcit_lora \
+	  $(foreach c,$(DEMO_CONFIGS) $(MORE_CONFIGS),runs/$(basename $(notdir $(c))))
+
+# The MCIT study behind the README's tables (about 35 + 60 minutes here): every demo method's learning rate and
+# Fwd-Prompt's ablations, then every other MCIT method's learning rate (ModalPrompt, CL-MoE, SEFE, HiDe-LLaVA, DISCO,
+# Replay, EWC, LwF), 3 seeds each, judged on a validation carve of the training data; then the chosen defaults of
+# all of them over 3 seeds on the test split; then the tables and figures (docs/mcit_study.md and
+# docs/mcit_study_methods.md, each with its figures docs/<study>_*.png).
 MCIT_SELECTION := tiny_mcit_tuning_prompts tiny_mcit_tuning_lora tiny_mcit_fwd_prompt_ablation
-study-mcit: data
-	@for s in $(MCIT_SELECTION) tiny_mcit_seeds; do \
+MCIT_METHODS_SELECTION := tiny_mcit_tuning_modal_prompt tiny_mcit_tuning_lora_methods tiny_mcit_tuning_classic
+study-mcit: data data-cil
+	@for s in $(MCIT_SELECTION) $(MCIT_METHODS_SELECTION) tiny_mcit_seeds; do \
 	  $(RUN) $(BIN)/python -m pipelines.sweep --spec configs/sweeps/$$s.yaml --nproc $(NPROC) || exit 1; \
 	done
 	$(BIN)/python -m mcit.cli.study --selection $(foreach s,$(MCIT_SELECTION),runs/sweeps/$(s)) \
 	  --final runs/sweeps/tiny_mcit_seeds --out docs/mcit_study
+	$(BIN)/python -m mcit.cli.study --selection $(foreach s,$(MCIT_METHODS_SELECTION),runs/sweeps/$(s)) \
+	  --final runs/sweeps/tiny_mcit_seeds --out docs/mcit_study_methods
 
 # The class-incremental demo: digits shards, the tiny ViT pre-trained on procedural shapes, every CIL method
 # (2 CPU ranks each), then one comparison table.

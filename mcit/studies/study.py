@@ -122,7 +122,10 @@ def zero_shot_row(final: Path) -> dict[str, Any] | None:
         **{k: {"mean": None} for k in COLUMNS[1:]}}}
 
 
-def figures(selection: list[dict[str, Any]], final: list[dict[str, Any]], out: Path) -> list[Path]:
+def figures(selection: list[dict[str, Any]], final: list[dict[str, Any]], out: Path,
+            prefix: str = "mcit_study") -> list[Path]:
+    """The figures, named ``<prefix>_<figure>.png`` in ``out`` (a study's own, so two studies beside each other in
+    docs/ keep theirs)."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -144,7 +147,7 @@ def figures(selection: list[dict[str, Any]], final: list[dict[str, Any]], out: P
             ax.set_yticks(range(a.shape[0]), [f"after {t}" for t in r["tasks"]], fontsize=7)
         fig.suptitle("accuracy matrices (%), test split, mean over seeds")
         fig.tight_layout()
-        made.append(_saved(fig, out / "mcit_study_matrices.png"))
+        made.append(_saved(fig, out / f"{prefix}_matrices.png"))
 
     fp = [r for r in selection if r["method"] == "fwd_prompt"]
     eps_keys = ("method.eps_task", "method.eps_pretrained")
@@ -167,7 +170,7 @@ def figures(selection: list[dict[str, Any]], final: list[dict[str, Any]], out: P
         axes[0].legend(fontsize=8)
         fig.suptitle("Fwd-Prompt: subspace energy against plasticity and forgetting (mean ± std, 3 seeds)")
         fig.tight_layout()
-        made.append(_saved(fig, out / "mcit_study_eps.png"))
+        made.append(_saved(fig, out / f"{prefix}_eps.png"))
 
     pts = [r for r in selection if r["metrics"]["plasticity"]["mean"] is not None]
     if pts:  # forgetting against plasticity, every selection point
@@ -190,7 +193,7 @@ def figures(selection: list[dict[str, Any]], final: list[dict[str, Any]], out: P
         ax.legend(fontsize=8)
         ax.set_title("forgetting vs plasticity, validation carve, mean ± std over 3 seeds")
         fig.tight_layout()
-        made.append(_saved(fig, out / "mcit_study_plasticity_forgetting.png"))
+        made.append(_saved(fig, out / f"{prefix}_plasticity_forgetting.png"))
     return made
 
 
@@ -202,7 +205,8 @@ def _saved(fig: Any, path: Path) -> Path:
 
 def write_study(selection_sweeps: list[Path], final_sweep: Path | None, out: Path | None) -> tuple[str, list[Path]]:
     """The study's Markdown (selection table with the chosen settings, then the test-split table) and, with
-    ``out``, ``<out>.md`` and the figures beside it; returns (text, figures written)."""
+    ``out``, ``<out>.md`` and the figures beside it (``<out name>_matrices.png``, ...); returns (text, figures
+    written)."""
     selection = rows_of(selection_sweeps)
     chosen = select(selection, ROOT / "configs") if selection else {}
     text = ""
@@ -215,5 +219,5 @@ def write_study(selection_sweeps: list[Path], final_sweep: Path | None, out: Pat
     made: list[Path] = []
     if out is not None:
         atomic_write_text(out.with_suffix(".md"), text)
-        made = figures(selection, final, out.parent)
+        made = figures(selection, final, out.parent, prefix=out.name)
     return text, made

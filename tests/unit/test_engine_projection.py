@@ -231,7 +231,7 @@ def _llava_trainer_lrs(schedule: str, lrs: list[float], warmup_ratio: float, tot
 
 
 @pytest.mark.parametrize("schedule", ["warmup_cosine", "warmup_log"])
-def test_step_schedules_follow_the_llava_trainer_over_the_task_s_own_epochs(schedule, tmp_path):
+def test_step_schedules_follow_the_llava_trainer_over_the_task_s_own_epochs(schedule, tmp_path, monkeypatch):
     """The step-wise schedules of the MCIT configs give every optimizer step (DeepSpeed steps the scheduler) the
     lr the LLaVA trainer gives it, per group (a projector at its own lr), over the task's epochs (3 here,
     train.epochs 1): 4 steps an epoch, warmup ceil(0.2 x 12) = 3 steps."""
@@ -255,6 +255,8 @@ def test_step_schedules_follow_the_llava_trainer_over_the_task_s_own_epochs(sche
         train_step(engine, Batch(torch.randn(8, D, generator=g), torch.randint(0, 3, (8,), generator=g),
                                  torch.ones(8), 0), 1.0 / 8)
     engine.destroy()
+    # accelerate (under transformers' Trainer) sets OMP_NUM_THREADS in os.environ where it is unset: kept to this test
+    monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))
     want = _llava_trainer_lrs(schedule, [lr, 0.1 * lr], 0.2, 12, tmp_path)
     assert seen == [pytest.approx(w, rel=1e-9, abs=1e-15) for w in want]
     assert max(s[0] for s in seen) == pytest.approx(lr) and seen[0][0] == 0.0  # warm-up from 0 to the peak
