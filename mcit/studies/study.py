@@ -134,8 +134,12 @@ def figures(selection: list[dict[str, Any]], final: list[dict[str, Any]], out: P
     made = []
     seq = [r for r in final if r.get("acc") and len(r["acc"]) > 1]
     if seq:  # the accuracy-matrix grid of the final (test-split) runs
-        fig, axes = plt.subplots(1, len(seq), figsize=(3.1 * len(seq), 3.2), squeeze=False)
-        for ax, r in zip(axes[0], seq):
+        cols = min(len(seq), 7)  # rows of at most 7 matrices
+        rows = -(-len(seq) // cols)
+        fig, axes = plt.subplots(rows, cols, figsize=(3.1 * cols, 3.2 * rows), squeeze=False)
+        for ax in axes.flat[len(seq):]:
+            ax.axis("off")
+        for ax, r in zip(axes.flat, seq):
             a = np.asarray(r["acc"], dtype=float)
             ax.imshow(a, vmin=0, vmax=100, cmap="viridis")
             for t in range(a.shape[0]):
