@@ -6,10 +6,10 @@ BIN    := $(VENV)/bin
 NPROC  ?= 2
 DEMO_CONFIGS ?= configs/tiny_mcit_prompt_tuning.yaml configs/tiny_mcit_fwd_prompt.yaml configs/tiny_mcit_lora.yaml \
                 configs/tiny_mcit_olora.yaml configs/tiny_mcit_moelora.yaml configs/tiny_mcit_multitask.yaml \
-                configs/tiny_mcit_modal_prompt.yaml configs/tiny_mcit_cl_moe.yaml configs/tiny_mcit_replay.yaml
+                configs/tiny_mcit_modal_prompt.yaml configs/tiny_mcit_cl_moe.yaml
 # The other MCIT methods (`make demo-more`: HiDe-LLaVA and DISCO route with the tiny CLIP of `make data-cil`)
 MORE_CONFIGS ?= configs/tiny_mcit_sefe.yaml configs/tiny_mcit_hide_llava.yaml configs/tiny_mcit_disco.yaml \
-                configs/tiny_mcit_ewc.yaml configs/tiny_mcit_lwf.yaml
+                configs/tiny_mcit_replay.yaml configs/tiny_mcit_ewc.yaml configs/tiny_mcit_lwf.yaml
 CIL_METHODS  ?= seq l2p l2p_pgp dualprompt dualprompt_pgp coda_prompt hide_prompt norga vpt_nsp2 soft_tf soft_tf_gradient_id soft_tf_gradient_id_batch l2p_soft_tf clip_zero_shot vpt_nsp2_clip star_prompt
 CIL_CONFIGS  ?= $(foreach m,$(CIL_METHODS),configs/digits_$(m).yaml)
 DATA_ENV := DS_ACCELERATOR=cpu
