@@ -66,6 +66,24 @@ def test_top2_counts_drop_ties_and_padding_and_the_selection_keeps_counted_exper
     assert most_counted([5, 9, 0, 9], 2) == [1, 3]
 
 
+def test_the_router_reads_the_input_before_the_experts_dropout():
+    """The official layer (MCITlib 2956dfd CL-MoE/CLMoE/peft/tuners/clitmoelora.py:395) routes on x itself; only
+    the experts see dropout(x). The fixture trains without dropout, so this is pinned here, in training mode."""
+    import torch.nn.functional as F
+
+    from mcit.methods.cl_moe import _RoutedExperts
+
+    torch.manual_seed(0)
+    m = _RoutedExperts(in_features=6, r=4, experts=2, dropout=0.5).train()
+    x = torch.randn(3, 5, 6)
+    torch.manual_seed(1)
+    got = m(x)
+    torch.manual_seed(1)
+    gate = torch.softmax(F.linear(x, m.router), dim=-1).repeat_interleave(2, dim=-1)
+    want = F.linear(F.dropout(x, 0.5, training=True), m.A) * gate
+    assert torch.allclose(got, want, atol=1e-6) and float(got.abs().max()) > 1e-2
+
+
 def test_trains_a_step_and_answers_per_sample(tiny):
     """Untrained, the experts add nothing (B = 0); a step moves router, experts and loss; a batch's answers are each
     sample's alone."""
