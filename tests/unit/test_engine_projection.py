@@ -173,30 +173,41 @@ class _TwoGroups(Method):
 METHODS.register("test_two_groups")(_TwoGroups)
 
 
+def _two_groups_engine(train: dict, steps_per_epoch: int, epochs: int | None = None):
+    """A DeepSpeed engine over ``test_two_groups`` (a group at lr, one at 0.1 x lr) with ``train`` settings."""
+    from mcit.core import distributed as dist
+    from mcit.run.engine import setup_engine
+
+    dist.init()
+    cfg = validate_config({"name": "p", "backbone": {"path": "unused"}, "data": {"tasks": ["a"], "root": "."},
+                           "method": {"name": "test_two_groups"},
+                           "train": {"batch_size": 8, "deepspeed_config": "deepspeed_configs/zero2.json", **train}})
+    seq = TaskSequence.from_label_spaces(["a"], [[0, 1, 2]])
+    return setup_engine(cfg, METHODS.get("test_two_groups")(cfg.method.params(), nn.Identity(), seq), 1,
+                        steps_per_epoch=steps_per_epoch, epochs=epochs)[0]
+
+
+def _lrs_per_step(engine, n: int) -> list[list[float]]:
+    """Each of ``n`` optimizer steps' learning rates, per group."""
+    from mcit.run.engine import train_step
+
+    g, seen = torch.Generator().manual_seed(1), []
+    for _ in range(n):
+        seen.append([group["lr"] for group in engine.optimizer.param_groups])
+        train_step(engine, Batch(torch.randn(8, D, generator=g), torch.randint(0, 3, (8,), generator=g),
+                                 torch.ones(8), 0), 1.0 / 8)
+    return seen
+
+
 def test_cosine_schedule_decays_every_group_to_the_same_floor_as_timm():
     """Each parameter group follows timm's CosineLRScheduler from its own base lr to the absolute lr_min.
     Reference (timm 0.6.7, run outside the repository): t_initial 4, lr_min 1e-5, groups at 0.0028125 and
     0.00028125, lr at epochs 0..4."""
-    from mcit.core import distributed as dist
-    from mcit.run.engine import setup_engine, train_step
-
     timm = [[0.0028125, 0.00028125], [0.0024020833771376494, 0.00024152635719842545], [0.00141125, 0.000145625],
             [0.00042041662286235035, 4.972364280157449e-05], [1e-05, 1e-05]]
-    dist.init()
-    cfg = validate_config({"name": "p", "backbone": {"path": "unused"}, "data": {"tasks": ["a"], "root": "."},
-                           "method": {"name": "test_two_groups"},
-                           "train": {"lr": 0.0028125, "optimizer": "adam", "batch_size": 8, "epochs": 4,
-                                     "lr_schedule": "cosine", "lr_min": 1e-5,
-                                     "deepspeed_config": "deepspeed_configs/zero2.json"}})
-    seq = TaskSequence.from_label_spaces(["a"], [[0, 1, 2]])
-    engine, _ = setup_engine(cfg, METHODS.get("test_two_groups")(cfg.method.params(), nn.Identity(), seq), 1,
-                             steps_per_epoch=1)
-    g = torch.Generator().manual_seed(1)
-    seen = []
-    for _ in range(5):
-        seen.append([group["lr"] for group in engine.optimizer.param_groups])
-        train_step(engine, Batch(torch.randn(8, D, generator=g), torch.randint(0, 3, (8,), generator=g),
-                                 torch.ones(8), 0), 1.0 / 8)
+    engine = _two_groups_engine({"lr": 0.0028125, "optimizer": "adam", "epochs": 4, "lr_schedule": "cosine",
+                                 "lr_min": 1e-5}, steps_per_epoch=1)
+    seen = _lrs_per_step(engine, 5)
     engine.destroy()
     assert seen == [pytest.approx(lrs, rel=1e-9) for lrs in timm]
 
@@ -235,25 +246,10 @@ def test_step_schedules_follow_the_llava_trainer_over_the_task_s_own_epochs(sche
     """The step-wise schedules of the MCIT configs give every optimizer step (DeepSpeed steps the scheduler) the
     lr the LLaVA trainer gives it, per group (a projector at its own lr), over the task's epochs (3 here,
     train.epochs 1): 4 steps an epoch, warmup ceil(0.2 x 12) = 3 steps."""
-    from mcit.core import distributed as dist
-    from mcit.run.engine import setup_engine, train_step
-
-    dist.init()
     lr = 0.002
-    cfg = validate_config({"name": "p", "backbone": {"path": "unused"}, "data": {"tasks": ["a"], "root": "."},
-                           "method": {"name": "test_two_groups"},
-                           "train": {"lr": lr, "optimizer": "adamw", "batch_size": 8, "epochs": 1,
-                                     "lr_schedule": schedule, "warmup_ratio": 0.2,
-                                     "deepspeed_config": "deepspeed_configs/zero2.json"}})
-    seq = TaskSequence.from_label_spaces(["a"], [[0, 1, 2]])
-    engine, _ = setup_engine(cfg, METHODS.get("test_two_groups")(cfg.method.params(), nn.Identity(), seq), 1,
-                             steps_per_epoch=4, epochs=3)
-    g = torch.Generator().manual_seed(1)
-    seen = []
-    for _ in range(12):
-        seen.append([group["lr"] for group in engine.optimizer.param_groups])
-        train_step(engine, Batch(torch.randn(8, D, generator=g), torch.randint(0, 3, (8,), generator=g),
-                                 torch.ones(8), 0), 1.0 / 8)
+    engine = _two_groups_engine({"lr": lr, "optimizer": "adamw", "epochs": 1, "lr_schedule": schedule,
+                                 "warmup_ratio": 0.2}, steps_per_epoch=4, epochs=3)
+    seen = _lrs_per_step(engine, 12)
     engine.destroy()
     # accelerate (under transformers' Trainer) sets OMP_NUM_THREADS in os.environ where it is unset: kept to this test
     monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))
@@ -269,38 +265,20 @@ def test_step_schedules_follow_the_llava_trainer_over_the_task_s_own_epochs(sche
 @pytest.mark.parametrize("schedule", ["warmup_cosine", "warmup_log"])
 def test_a_step_schedule_resumes_from_the_step_checkpoint(schedule, tmp_path):
     """A run resumed from a step checkpoint goes on with the schedule where it stopped (not from its warm-up)."""
-    from mcit.core import distributed as dist
-    from mcit.run.engine import setup_engine, train_step
-
-    dist.init()
-    cfg = validate_config({"name": "p", "backbone": {"path": "unused"}, "data": {"tasks": ["a"], "root": "."},
-                           "method": {"name": "test_two_groups"},
-                           "train": {"lr": 0.002, "optimizer": "adamw", "batch_size": 8, "lr_schedule": schedule,
-                                     "warmup_ratio": 0.2, "deepspeed_config": "deepspeed_configs/zero2.json"}})
-    seq = TaskSequence.from_label_spaces(["a"], [[0, 1, 2]])
-
     def engine():
-        return setup_engine(cfg, METHODS.get("test_two_groups")(cfg.method.params(), nn.Identity(), seq), 1,
-                            steps_per_epoch=12)[0]
-
-    def steps(eng, n):
-        g, seen = torch.Generator().manual_seed(1), []
-        for _ in range(n):  # each step's lr
-            seen.append([group["lr"] for group in eng.optimizer.param_groups])
-            train_step(eng, Batch(torch.randn(8, D, generator=g), torch.randint(0, 3, (8,), generator=g),
-                                  torch.ones(8), 0), 1.0 / 8)
-        return seen
+        return _two_groups_engine({"lr": 0.002, "optimizer": "adamw", "lr_schedule": schedule, "warmup_ratio": 0.2},
+                                  steps_per_epoch=12)
 
     whole = engine()
-    want = steps(whole, 8)[2:]
+    want = _lrs_per_step(whole, 8)[2:]
     whole.destroy()
     first = engine()
-    steps(first, 2)  # inside the warm-up (3 steps)
+    _lrs_per_step(first, 2)  # inside the warm-up (3 steps)
     first.save_checkpoint(str(tmp_path), tag="s2")
     first.destroy()
     again = engine()
     again.load_checkpoint(str(tmp_path), tag="s2")
-    got = steps(again, 6)
+    got = _lrs_per_step(again, 6)
     again.destroy()
     assert got == [pytest.approx(w, rel=1e-12) for w in want] and got[0] != got[-1]
 
