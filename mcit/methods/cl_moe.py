@@ -39,18 +39,17 @@ empty weight list in the released code; it is not here.
 
 from __future__ import annotations
 
-import math
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional
 
 import torch
-import torch.nn.functional as F
 from pydantic import Field, model_validator
 from torch import nn
 
 from mcit.core.registry import METHODS
 from mcit.data.types import Batch, TaskSequence
 from mcit.methods.lora import LoRAFamily, LoRAFamilyParams, Targets
+from mcit.methods.moelora import _RoutedExperts as MoeRoutedExperts
 
 
 class ClMoeParams(LoRAFamilyParams):
@@ -88,31 +87,21 @@ def most_counted(counts: list[int], k: int) -> list[int]:
     return [i for i in order if counts[i] > 0][:k]
 
 
-class _RoutedExperts(nn.Module):
-    """peft's ``lora_A`` slot: the experts' A outputs, each expert's block scaled by its router weight, so that
-    peft's ``lora_B(...)`` sums the routed experts. ``prev`` holds the experts as the task started (theta_{t-1})."""
+class _RoutedExperts(MoeRoutedExperts):
+    """MoELoRA's routed experts (peft's ``lora_A`` slot), plus ``prev``, the experts as the task started
+    (theta_{t-1}), and ``tally``: while the subspace stage counts, each forward adds its tokens' top-2 experts."""
 
     def __init__(self, in_features: int, r: int, experts: int, dropout: float, **kw) -> None:
-        super().__init__()
-        self.experts = experts
-        self.router = nn.Parameter(torch.empty(experts, in_features, **kw))
-        nn.init.kaiming_uniform_(self.router, a=math.sqrt(5))  # nn.Linear's default, as the official router
-        self.A = nn.Parameter(torch.empty(r, in_features, **kw).normal_(0.0, 0.01))
+        super().__init__(in_features, r, experts, dropout, **kw)
         self.register_buffer("prev", torch.zeros(r, in_features, **kw))
-        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.tally: Optional[tuple[torch.Tensor, Optional[torch.Tensor]]] = None  # (counts, mask) while counting
 
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.A
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = torch.softmax(F.linear(x, self.router), dim=-1)  # (..., E), from the input before dropout
+    def gate(self, x: torch.Tensor) -> torch.Tensor:
+        gate = super().gate(x)
         if self.tally is not None:
             counts, mask = self.tally
             counts += top2_counts(gate.detach(), mask).to(counts.device)
-        h = F.linear(self.dropout(x), self.A)  # (..., r)
-        return h * gate.repeat_interleave(h.shape[-1] // self.experts, dim=-1)
+        return gate
 
 
 class _ExpertsB(nn.Linear):

@@ -59,8 +59,12 @@ class _RoutedExperts(nn.Module):
     def weight(self) -> torch.Tensor:
         return self.A
 
+    def gate(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., E) router weights, from the input before dropout."""
+        return torch.softmax(F.linear(x, self.router), dim=-1)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = torch.softmax(F.linear(x, self.router), dim=-1)  # (..., E), from the input before dropout
+        gate = self.gate(x)
         h = F.linear(self.dropout(x), self.A)  # (..., r)
         return h * gate.repeat_interleave(h.shape[-1] // self.experts, dim=-1)
 
