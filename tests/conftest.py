@@ -112,6 +112,14 @@ def clip_backbone(tmp_path_factory) -> Path:
     return built_once(tmp_path_factory, "clip_assets", make) / "clip"
 
 
+@pytest.fixture(scope="module")
+def clip(clip_backbone):
+    """The tiny CLIP loaded as the pipeline loads it, once per test module (a module's tests may change it)."""
+    from mcit.models.clip import CLIPBackbone
+
+    return CLIPBackbone.from_path(clip_backbone)
+
+
 def tiny_config(assets: dict[str, Path], tmp: Path, name: str = "tiny", **sections) -> Path:
     """A 3-task config on the tiny backbone; ``sections`` update top-level sections (dicts merged)."""
     cfg = {

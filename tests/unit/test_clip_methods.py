@@ -12,13 +12,6 @@ from mcit.data.types import Batch, TaskSequence
 
 
 @pytest.fixture(scope="module")
-def clip(clip_backbone):
-    from mcit.models.clip import CLIPBackbone
-
-    return CLIPBackbone.from_path(clip_backbone)
-
-
-@pytest.fixture(scope="module")
 def digits_sequence():
     from data_prep.digits import CLASS_NAMES
 

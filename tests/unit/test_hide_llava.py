@@ -16,13 +16,6 @@ SMALL = {"r": 4, "alpha": 8, "dropout": 0.0}
 
 
 @pytest.fixture(scope="module")
-def clip(clip_backbone):
-    from mcit.models.clip import CLIPBackbone
-
-    return CLIPBackbone.from_path(clip_backbone)
-
-
-@pytest.fixture(scope="module")
 def llava(mcit_assets):
     from mcit.data.shards import iter_samples, open_split
     from mcit.models.mllm import MLLMBackbone
