@@ -49,7 +49,7 @@ from torch import nn
 from mcit.core.registry import METHODS
 from mcit.data.types import Batch, TaskSequence
 from mcit.methods.lora import LoRAFamily, LoRAFamilyParams, Targets
-from mcit.methods.moelora import _RoutedExperts as MoeRoutedExperts
+from mcit.methods.moelora import RoutedExperts
 
 
 class ClMoeParams(LoRAFamilyParams):
@@ -87,7 +87,7 @@ def most_counted(counts: list[int], k: int) -> list[int]:
     return [i for i in order if counts[i] > 0][:k]
 
 
-class _RoutedExperts(MoeRoutedExperts):
+class CountedExperts(RoutedExperts):
     """MoELoRA's routed experts (peft's ``lora_A`` slot), plus ``prev``, the experts as the task started
     (theta_{t-1}), and ``tally``: while the subspace stage counts, each forward adds its tokens' top-2 experts."""
 
@@ -129,7 +129,7 @@ class ClMoe(LoRAFamily):
 
     def adapter_pair(self, m: nn.Module, kw: dict) -> tuple[nn.Module, nn.Module]:
         p = self.params
-        return _RoutedExperts(m.in_features, p.r, p.experts, p.dropout, **kw), _ExpertsB(p.r, m.out_features, **kw)
+        return CountedExperts(m.in_features, p.r, p.experts, p.dropout, **kw), _ExpertsB(p.r, m.out_features, **kw)
 
     @torch.no_grad()
     def before_task(self, task: int) -> None:

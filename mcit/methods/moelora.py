@@ -43,7 +43,7 @@ class MoeLoraParams(LoRAFamilyParams):
         return self
 
 
-class _RoutedExperts(nn.Module):
+class RoutedExperts(nn.Module):
     """peft's ``lora_A`` slot of MoELoRA: the experts' A outputs, each expert's block scaled by its router
     weight, so that peft's ``lora_B(...)`` sums the routed experts."""
 
@@ -72,14 +72,14 @@ class _RoutedExperts(nn.Module):
 @METHODS.register("moelora")
 class MoeLora(LoRAFamily):
     """peft's dropout slot is the identity (``lora_layers``): the router reads the input before the experts'
-    dropout, which lives in ``_RoutedExperts``."""
+    dropout, which lives in ``RoutedExperts``."""
 
     name = "moelora"
     Params = MoeLoraParams
 
     def adapter_pair(self, m: nn.Module, kw: dict) -> tuple[nn.Module, nn.Module]:
         p = self.params
-        a = _RoutedExperts(m.in_features, p.r, p.experts, p.dropout, **kw)
+        a = RoutedExperts(m.in_features, p.r, p.experts, p.dropout, **kw)
         b = nn.Linear(p.r, m.out_features, bias=False, **kw)
         nn.init.zeros_(b.weight)
         return a, b

@@ -71,10 +71,10 @@ def test_the_router_reads_the_input_before_the_experts_dropout():
     the experts see dropout(x). The fixture trains without dropout, so this is pinned here, in training mode."""
     import torch.nn.functional as F
 
-    from mcit.methods.cl_moe import _RoutedExperts
+    from mcit.methods.cl_moe import CountedExperts
 
     torch.manual_seed(0)
-    m = _RoutedExperts(in_features=6, r=4, experts=2, dropout=0.5).train()
+    m = CountedExperts(in_features=6, r=4, experts=2, dropout=0.5).train()
     x = torch.randn(3, 5, 6)
     torch.manual_seed(1)
     got = m(x)
