@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from data_prep.common import RecordError, read_image_file, write_shards
-from mcit.data.instructions import turns
+from mcit.data.instructions import reference_stats, turns
 from mcit.data.shards import DataError
 
 LETTERS = "ABCDEFGHIJ"
@@ -83,22 +83,77 @@ def _box(value: Any) -> list[float]:
 
 
 IMAGE_KEY = "image:"  # annotation keys of a file joined by image file name (VizWiz)
+POSITION_KEY = "position:"  # annotation keys of a COCO caption file: image_id k is the k-th record (1-based)
 
 
-def load_annotations(path: Path) -> dict[str, dict]:
+class Annotations(dict):
+    """Annotation records by join key; ``format`` says how they were read (``question_id``, ``image``,
+    ``coco_captions``), recorded in the split's manifest."""
+
+    format: str = "question_id"
+
+
+def is_coco_captions(data: Any) -> bool:
+    """A COCO caption file (captions_val2014.json's shape): {"annotations": [{"image_id", "caption"}, ...]}."""
+    anns = data.get("annotations") if isinstance(data, dict) else None
+    return (isinstance(anns, list) and bool(anns)
+            and all(isinstance(a, dict) and "image_id" in a and "caption" in a for a in anns))
+
+
+def load_coco_captions(path: Path, data: dict) -> Annotations:
+    """A COCO caption file as MCITlib's eval_caption.py reads it (its ``anno_path``): the captions of each
+    ``image_id``. There the k-th answer of the result file (the k-th record of the test file) is numbered
+    image_id k, so that is the join here (``POSITION_KEY`` + k); where the file names its images
+    (``images[].file_name``) the name is kept so the join can be checked against the record's image."""
+    names = {int(im["id"]): str(im["file_name"]) for im in data.get("images") or []
+             if isinstance(im, dict) and "id" in im and "file_name" in im}
+    out = Annotations()
+    out.format = "coco_captions"
+    for n, a in enumerate(data["annotations"]):
+        try:
+            image_id = int(a["image_id"])
+        except (TypeError, ValueError):
+            raise DataError(f"{path} annotation {n}: image_id {a['image_id']!r} is not an integer") from None
+        rec = out.setdefault(f"{POSITION_KEY}{image_id}", {"answers": [], "image_id": image_id})
+        rec["answers"].append(str(a["caption"]))
+        if image_id in names:
+            rec["file_name"] = names[image_id]
+    return out
+
+
+_LOADED: dict[tuple, Annotations] = {}  # a file read once per conversion (planning and the manifest)
+
+
+def load_annotations(path: Path) -> Annotations:
     """Original annotation records keyed by question_id, or by ``IMAGE_KEY`` + the image's file name when
-    no record has a question_id and every one an image (VizWiz); a duplicate key is an error naming it."""
+    no record has a question_id and every one an image (VizWiz), or a COCO caption file's captions by
+    position (``load_coco_captions``); a duplicate key is an error naming it."""
+    try:
+        st = path.stat()
+        key = (str(path.resolve()), st.st_mtime_ns, st.st_size)
+    except OSError as e:
+        raise DataError(f"cannot read {path}: {e}") from None
+    if key not in _LOADED:
+        _LOADED.clear()
+        _LOADED[key] = _load_annotations(path)
+    return _LOADED[key]
+
+
+def _load_annotations(path: Path) -> Annotations:
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise DataError(f"cannot read {path}: {e}") from None
+    if is_coco_captions(data):
+        return load_coco_captions(path, data)
     if isinstance(data, dict):
         data = data.get("data", data.get("annotations"))
     if not isinstance(data, list):
         raise DataError(f"{path}: unknown format (expected a list, or a dict with 'data' or 'annotations')")
     by_image = bool(data) and all(isinstance(r, dict) and "question_id" not in r and isinstance(r.get("image"), str)
                                   for r in data)
-    out: dict[str, dict] = {}
+    out = Annotations()
+    out.format = "image" if by_image else "question_id"
     for n, rec in enumerate(data):
         if by_image:
             key = IMAGE_KEY + Path(rec["image"]).name
@@ -114,11 +169,12 @@ def load_annotations(path: Path) -> dict[str, dict]:
     return out
 
 
-def record_reference(item: dict, where: Path, annotations: dict[str, dict] | None) -> tuple[str, dict]:
+def record_reference(item: dict, where: Path, annotations: dict[str, dict] | None,
+                     position: int = 0) -> tuple[str, dict]:
     """(record id, the sample's reference) of a record in either form; RecordError if malformed. A
     multi-turn conversation stays one sample (its later turns keep their history); a record without an
     ``image`` key is text-only, as LLaVA's own loader decides (``'image' in sources[0]``), and is marked
-    ``text_only``."""
+    ``text_only``. ``position`` (0-based, in its file) joins a COCO caption file."""
     if not isinstance(item, dict):
         raise RecordError("?", where, "unknown format (a record is not a JSON object)")
     rid = str(item.get("question_id", item.get("id", "?")))
@@ -137,6 +193,15 @@ def record_reference(item: dict, where: Path, annotations: dict[str, dict] | Non
             ann = annotations.get(rid) if annotations is not None else None
             if ann is None and annotations is not None and isinstance(item.get("image"), str):
                 ann = annotations.get(IMAGE_KEY + Path(item["image"]).name)
+            if ann is None and annotations is not None and getattr(annotations, "format", "") == "coco_captions":
+                ann = annotations.get(f"{POSITION_KEY}{position + 1}")
+                if ann is None:
+                    raise RecordError(rid, where, f"the caption file has no image_id {position + 1} (MCITlib's "
+                                                  f"eval_caption.py numbers the k-th test record image_id k)")
+                name = ann.get("file_name")
+                if name and isinstance(item.get("image"), str) and Path(name).name != Path(item["image"]).name:
+                    raise RecordError(rid, where, f"the caption file's image_id {position + 1} is {name!r}, the "
+                                                  f"record's image {item['image']!r} (the files are out of order)")
             if annotations is not None and ann is None:
                 raise RecordError(rid, where, "neither its question_id nor its image is in the annotation file")
             if ann is not None:
@@ -156,6 +221,11 @@ def record_reference(item: dict, where: Path, annotations: dict[str, dict] | Non
                 extra["box"] = _box(item[k])
         if "choices" in item:
             extra["choices"] = [str(c) for c in item["choices"]]
+        if "size" in item:  # (width, height): CoIN's grounding score scales both boxes by max(size)
+            size = [float(v) for v in item["size"]]
+            if len(size) != 2 or min(size) <= 0:
+                raise ValueError(f"'size' is (width, height), got {item['size']!r}")
+            extra["size"] = size
     except RecordError:
         raise
     except (DataError, ValueError, TypeError, KeyError, IndexError) as e:
@@ -273,7 +343,7 @@ def specs_of(path: Path, images: Path | None, annotations: Path | None, on_error
     specs, skipped, seen = [], [], set()
     for n, item in enumerate(read_items(path) if items is None else items):
         try:
-            rid, ref = record_reference(item, path, ann)
+            rid, ref = record_reference(item, path, ann, n)
             if rid == "?":
                 rid = f"item{n}"
             if unique_ids and rid in seen:
@@ -296,12 +366,14 @@ def write_planned(specs: list[tuple], skipped: list[str], path: Path, out: Path,
     """Write the specs of one split file (from ``specs_of``) as an instruction split."""
     if limit:
         specs = specs[:limit]
+    fmt = load_annotations(annotations).format if annotations is not None else None
+    references = reference_stats([spec[4] for spec in specs], fmt)
     return write_shards(out, specs, encode, shard_size=shard_size, label_space=[], on_error=on_error,
                         workers=workers, progress=progress, desc=f"{task or out.parent.name}/{out.name}",
                         extra={"kind": "instruction", "scorer": scorer, "task": task, "source": str(path),
                                "annotations": str(annotations) if annotations else None,
                                "source_skipped": len(skipped), "source_skipped_records": skipped[:1000],
-                               **(extra or {})})
+                               "references": references, **(extra or {})})
 
 
 def convert_split(path: Path, out: Path, *, images: Path | None, scorer: str, annotations: Path | None = None,

@@ -192,21 +192,27 @@ def llava_mix_raw(root):
 
 def ucit_json_raw(root, images):
     """MCITlib's UCIT tree for a captioning task: <UCIT>/VizWiz/{train,test}.json (VizWiz-caption), images
-    under <UCIT>/datasets; the test records carry every reference caption."""
+    under <UCIT>/datasets; the test records carry one caption, and every reference caption is in a COCO
+    caption file (<UCIT>/VizWiz/test_captions_coco.json, MCITlib's anno_path: image_id k is the k-th test
+    record, its images named), three captions an image."""
     import shutil
 
     folder = root / "UCIT" / "VizWiz"
     folder.mkdir(parents=True)
     shutil.copytree(images, root / "UCIT" / "datasets")
     q = "<image>\nGenerate a brief caption for the image."
-    caps = {"red": ["a red square", "a square that is red"], "green": ["a green square", "green colour"],
-            "blue": ["a blue square", "a square of blue"]}
+    caps = {"red": ["a red square", "a square that is red", "red"], "green": ["a green square", "green colour",
+            "a plain green picture"], "blue": ["a blue square", "a square of blue", "blue and dark"]}
     train = [{"id": f"c{c}{i}", "image": f"vqa/{c}{i}.jpg", "conversations": [
         {"from": "human", "value": q}, {"from": "gpt", "value": caps[c][0]}]} for c in caps for i in range(2)]
-    test = [{"question_id": f"ct{c}", "image": f"vqa/{c}2.jpg", "text": q.split("\n", 1)[1], "answer": caps[c][0],
-             "answers": caps[c]} for c in caps]
+    test = [{"question_id": f"ct{c}", "image": f"vqa/{c}2.jpg", "text": q.split("\n", 1)[1], "answer": caps[c][0]}
+            for c in caps]
+    coco = {"images": [{"id": k + 1, "file_name": f"{c}2.jpg"} for k, c in enumerate(caps)],
+            "annotations": [{"image_id": k + 1, "id": 10 * k + j, "caption": cap}
+                            for k, c in enumerate(caps) for j, cap in enumerate(caps[c])]}
     (folder / "train.json").write_text(json.dumps(train))
     (folder / "test.json").write_text(json.dumps(test))
+    (folder / "test_captions_coco.json").write_text(json.dumps(coco))
     return root / "UCIT"
 
 
@@ -259,7 +265,7 @@ def convert_instruction_sets(tmp_path) -> dict[str, object]:
     assert r.returncode == 0, r.stderr
     uj = ucit_json_raw(tmp_path / "ucit_json_raw", raw / "images")
     r = convert("ucit", "--instructions", uj, "--images", uj / "datasets", "--task", "vizwiz_caption", "--out",
-                tmp_path / "ucit_json")
+                tmp_path / "ucit_json", "--annotations", f"vizwiz_caption={uj / 'VizWiz' / 'test_captions_coco.json'}")
     assert r.returncode == 0, r.stderr
     ucit = ucit_parquet(tmp_path / "ucit_raw")
     r = convert("ucit", "--instructions", ucit, "--task", "arxivqa", "--out", tmp_path / "ucit")

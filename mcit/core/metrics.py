@@ -13,6 +13,10 @@ seen included); ``zero_shot[i]`` is the accuracy on task i before any training. 
   including the last (t in [i, T-1]), so each task's term is clamped at 0: compare with mammoth's tables.
 * bwt (Lopez-Paz & Ranzato 2017): mean over i < T-1 of acc[T-1][i] - acc[i][i].
 * fwd (Lopez-Paz & Ranzato 2017): mean over i > 0 of acc[i-1][i] - zero_shot[i].
+* MCITlib's columns (Guo et al. 2025, the numbers its tables report): mft, the mean of the diagonal (each task
+  just after learning it); mfn, the mean of the last row (= final_avg_acc_task_mean); maa, the mean over t of
+  the mean of acc[t][0..t] (= avg_incremental_acc); and its BWT, which is ``bwt`` above. All task means, not
+  sample-weighted; the upper triangle is never read.
 """
 
 from __future__ import annotations
@@ -37,6 +41,9 @@ def compute(acc: list[list[float]], counts: list[int], zero_shot: list[float] | 
         "avg_incremental_acc_sample_weighted": float(
             np.mean([(a[t, : t + 1] * n[: t + 1]).sum() / n[: t + 1].sum() for t in range(T)])),
     }
+    out["mft"] = float(np.mean(np.diag(a)))
+    out["mfn"] = out["final_avg_acc_task_mean"]
+    out["maa"] = out["avg_incremental_acc"]
     if T > 1:
         out["forgetting"] = float(np.mean([a[i : T - 1, i].max() - a[T - 1, i] for i in range(T - 1)]))
         out["forgetting_mammoth"] = float(np.mean([a[i:, i].max() - a[T - 1, i] for i in range(T - 1)]))
@@ -58,8 +65,9 @@ def compute_joint(row: list[float], counts: list[int]) -> dict[str, Any]:
     sequence metrics (incremental accuracy, forgetting, BWT, forward transfer) do not exist for it."""
     a, n = np.asarray(row, dtype=float), np.asarray(counts, dtype=float)
     return {"final_avg_acc": float((a * n).sum() / n.sum()), "final_avg_acc_task_mean": float(a.mean()),
-            "avg_incremental_acc": None, "avg_incremental_acc_sample_weighted": None, "forgetting": None,
-            "forgetting_mammoth": None, "bwt": None, "fwd": None}
+            "avg_incremental_acc": None, "avg_incremental_acc_sample_weighted": None, "mft": None,
+            "mfn": float(a.mean()), "maa": None, "forgetting": None, "forgetting_mammoth": None, "bwt": None,
+            "fwd": None}
 
 
 def format_matrix(tasks: list[str], acc: list[list[float]], zero_shot: list[float] | None = None,
@@ -74,9 +82,16 @@ def format_matrix(tasks: list[str], acc: list[list[float]], zero_shot: list[floa
     return "\n".join(lines)
 
 
+MCITLIB = {"mft": "MFT", "mfn": "MFN", "maa": "MAA", "bwt": "BWT"}  # MCITlib's column names
+
+
 def format_summary(m: dict[str, Any]) -> str:
     keys = ["final_avg_acc", "final_avg_acc_task_mean", "avg_incremental_acc", "forgetting", "bwt", "fwd"]
-    return "  ".join(f"{k}={m[k]:.2f}" if m.get(k) is not None else f"{k}=n/a" for k in keys)
+    line = "  ".join(f"{k}={m[k]:.2f}" if m.get(k) is not None else f"{k}=n/a" for k in keys)
+    if "mft" not in m:  # metrics written before MCITlib's columns existed
+        return line
+    return line + "\nMCITlib: " + "  ".join(f"{v}={m[k]:.2f}" if m.get(k) is not None else f"{v}=n/a"
+                                           for k, v in MCITLIB.items())
 
 
 def heatmap(path: Path, tasks: list[str], acc: list[list[float]], title: str, rows: list[str] | None = None) -> None:
@@ -119,7 +134,8 @@ def report_markdown(name: str, method: str, backbone: str, tasks: list[str], cou
         table += "| zero-shot | " + " | ".join(f"{v:.2f}" for v in zero_shot) + " |\n"
     for t, row in enumerate(acc):
         table += f"| {(rows or tasks)[t]} | " + " | ".join(f"{v:.2f}" for v in row) + " |\n"
-    metric_rows = "".join(f"| {k} | {'n/a' if v is None else f'{v:.2f}'} |\n" for k, v in m.items())
+    metric_rows = "".join(f"| {k}{f' ({MCITLIB[k]})' if k in MCITLIB else ''} | {'n/a' if v is None else f'{v:.2f}'} |\n"
+                          for k, v in m.items())
     sha = f" (sha256 `{backbone_sha256[:16]}`)" if backbone_sha256 else ""
     return (f"# {name}\n\nmethod: `{method}` · backbone: `{backbone}`{sha} · test samples per task: {counts}\n\n"
             f"## Accuracy matrix (%)\n\n{head}{table}\n![accuracy matrix]({heatmap_file})\n\n"

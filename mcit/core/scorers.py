@@ -34,6 +34,64 @@ def register(name: str) -> Callable[[Scorer], Scorer]:
     return deco
 
 
+# What a scorer needs of a split's references, read from the manifest's "references" (data_prep writes it:
+# samples, answers_min / answers_max per sample, with_size, annotations_format): a check returns why the split
+# falls short (naming the file to convert it with), or None. Pre-flight refuses such a split: scored anyway,
+# it gives 0 or another benchmark's number without a word (m4c's TextVQA evaluator with one answer).
+Requirement = Callable[[dict[str, Any], str], "str | None"]
+REQUIRES: dict[str, Requirement] = {}
+
+
+def requires(*names: str) -> Callable[[Requirement], Requirement]:
+    def deco(fn: Requirement) -> Requirement:
+        for name in names:
+            REQUIRES[name] = fn
+        return fn
+
+    return deco
+
+
+def unmet(name: str, manifest: dict[str, Any], task: str) -> str | None:
+    """Why the split with ``manifest`` cannot be scored by ``name`` as its benchmark does, or None."""
+    check = REQUIRES.get(name)
+    if check is None:
+        return None
+    refs = manifest.get("references")
+    if not isinstance(refs, dict):
+        return (f"scorer {name} needs to know what the split's references hold, and its manifest does not say "
+                f"(written before data_prep recorded it, or by another tool): convert it again with data_prep")
+    return check(refs, task)
+
+
+@requires("coin_textvqa")
+def _ten_answers(refs: dict[str, Any], task: str) -> str | None:
+    if refs.get("answers_min") == refs.get("answers_max") == 10:
+        return None
+    have = refs.get("answers_min"), refs.get("answers_max")
+    have_text = f"{have[0]}" if have[0] == have[1] else f"{have[0]}-{have[1]}"
+    return (f"scorer coin_textvqa scores against the 10 annotator answers of each question (m4c's "
+            f"TextVQAAccuracyEvaluator), and this split has {have_text}: convert its test file with "
+            f"--annotations {task}=TextVQA_0.5.1_val.json")
+
+
+@requires("coin_grounding", "coin_grounding_official", "coin_grounding_parsed")
+def _sizes(refs: dict[str, Any], task: str) -> str | None:
+    if refs.get("with_size") == refs.get("samples"):
+        return None
+    return (f"scorer coin_grounding scales both boxes by each image's max(width, height), and "
+            f"{refs.get('samples', 0) - (refs.get('with_size') or 0)} of the split's records have no 'size': "
+            f"convert CoIN's Grounding/test.json, whose records carry it")
+
+
+@requires("ucit_caption")
+def _caption_file(refs: dict[str, Any], task: str) -> str | None:
+    if refs.get("annotations_format") == "coco_captions":
+        return None
+    return (f"scorer ucit_caption scores against the COCO caption file MCITlib's eval_caption.py reads (its "
+            f"anno_path: every reference caption of each image), and this split was converted without one: "
+            f"convert its test file with --annotations {task}=<the COCO caption file>")
+
+
 def get(name: str) -> Scorer:
     if name not in SCORERS:
         raise KeyError(f"unknown scorer {name!r}; known: {', '.join(sorted(SCORERS))}")
@@ -187,17 +245,19 @@ def _coin_substring(pred: str, answer: str) -> bool:
 
 
 @register("coin_imagenet")
+@register("coin_imagenet_official")
 def coin_imagenet(pred: str, ref: dict[str, Any]) -> float:
     """eval_ImagetNet.py: the answer occurs in the prediction or the prediction in the answer (raw strings,
-    case-sensitive). An empty prediction occurs in every answer and counts right there: a bug, scored 0 here
-    (``coin_imagenet_official`` keeps it)."""
-    return float(bool(pred) and _coin_substring(pred, ref["answer"]))
-
-
-@register("coin_imagenet_official")
-def coin_imagenet_official(pred: str, ref: dict[str, Any]) -> float:
-    """eval_ImagetNet.py as published, an empty prediction counted right."""
+    case-sensitive). An empty prediction occurs in every answer and so counts right, as there (CoIN's
+    published numbers count it); ``coin_imagenet_nonempty`` scores it 0. ``coin_imagenet_official`` is
+    the same rule under its earlier name."""
     return float(_coin_substring(pred, ref["answer"]))
+
+
+@register("coin_imagenet_nonempty")
+def coin_imagenet_nonempty(pred: str, ref: dict[str, Any]) -> float:
+    """``coin_imagenet`` with an empty prediction scored 0 (a named option: it departs from CoIN's numbers)."""
+    return float(bool(pred) and _coin_substring(pred, ref["answer"]))
 
 
 def coin_option_letter(pred: str) -> str:
@@ -268,11 +328,12 @@ def coin_textvqa(pred: str, ref: dict[str, Any]) -> float:
     return _soft_score(p, answers) if p in answers else 0.0
 
 
-def coin_box(text: str, official: bool = False) -> list[float] | None:
-    """A predicted box "[x1, y1, x2, y2]": the numbers inside the first brackets (the whole text if it has
-    none), four comma-separated floats, else None. eval_grounding.py removes the brackets and then cuts the
-    first and last character (``[1:-1]``), so "[0.1, 0.2, 0.5, 0.6]" reads as y2 = 0.0 and a perfect box
-    scores 0 there; ``official=True`` keeps that bug."""
+def coin_box(text: str, official: bool = True) -> list[float] | None:
+    """A predicted box: four comma-separated floats, else None. eval_grounding.py removes every bracket and
+    then cuts the first and last character (``[1:-1]``) before splitting on commas, as its model answers
+    " x1, y1, x2, y2 " would need; so "[0.1, 0.2, 0.5, 0.6]" reads as y2 = 0.0 (scores 0 there) and
+    "(0.1, 0.2, 0.5, 0.6)" reads right. ``official=False`` is the project's parser: the numbers inside the
+    first brackets (the whole text if it has none), nothing cut."""
     if official:
         s = text.replace("[", "").replace("]", "")[1:-1]
     else:
@@ -287,9 +348,9 @@ def coin_box(text: str, official: bool = False) -> list[float] | None:
 
 def coin_iou(a: list[float], b: list[float]) -> float:
     """eval_grounding.calculate_iou: the union from the raw (possibly negative) areas."""
-    inter = max(0.0, min(a[2], b[2]) - max(a[0], b[0])) * max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
+    inter = max(0, min(a[2], b[2]) - max(a[0], b[0])) * max(0, min(a[3], b[3]) - max(a[1], b[1]))
     union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
-    return inter / union if union > 0 else 0.0
+    return inter / union if union > 0 else 0
 
 
 def _coin_grounding(pred: str, ref: dict[str, Any], official: bool) -> float:
@@ -300,19 +361,28 @@ def _coin_grounding(pred: str, ref: dict[str, Any], official: bool) -> float:
         gold = [float(x) for x in str(text).replace("[", "").replace("]", "").split(",")]
     if box is None:
         return 0.0
-    return float(coin_iou(box, [float(v) for v in gold]) > 0.5)
+    size = ref.get("size")
+    if not size:
+        raise ValueError("coin_grounding needs the image 'size' of each test record (CoIN's Grounding/test.json "
+                         "has it); this sample has none")
+    max_wh = max(size)
+    return float(coin_iou([x * max_wh for x in box], [float(x) * max_wh for x in gold]) > 0.5)
 
 
 @register("coin_grounding")
-def coin_grounding(pred: str, ref: dict[str, Any]) -> float:
-    """eval_grounding.py: IoU > 0.5 (strictly) between the predicted and the reference box (both in the
-    padded-square frame; the script's scaling by max(size) leaves the IoU unchanged). The prediction is
-    parsed whole; ``coin_grounding_official`` keeps the script's ``[1:-1]`` cut."""
-    return _coin_grounding(pred, ref, official=False)
-
-
 @register("coin_grounding_official")
-def coin_grounding_official(pred: str, ref: dict[str, Any]) -> float:
-    """eval_grounding.py as published, first and last character of the prediction cut before parsing."""
+def coin_grounding(pred: str, ref: dict[str, Any]) -> float:
+    """eval_grounding.py exactly: the prediction parsed after its ``[1:-1]`` cut (``coin_box``), both boxes
+    multiplied by max(width, height) of the record's ``size``, IoU > 0.5 (strictly). The scaling is not a
+    no-op: at IoU one half its rounding decides (prediction [0.60, 0.13, 0.75, 0.80] against [0.55, 0.13, 0.70,
+    0.80] in a 500x375 image scores 0 scaled, 1 unscaled). ``coin_grounding_official`` is the same rule under
+    its earlier name; ``coin_grounding_parsed`` reads the box with the project's parser."""
     return _coin_grounding(pred, ref, official=True)
 
+
+@register("coin_grounding_parsed")
+def coin_grounding_parsed(pred: str, ref: dict[str, Any]) -> float:
+    """``coin_grounding`` with the project's box parser (the numbers in the first brackets, nothing cut: a
+    model answering "[x1, y1, x2, y2]" as CoIN trains it is read as written). A named option; it departs
+    from CoIN's numbers wherever the cut changes the box."""
+    return _coin_grounding(pred, ref, official=False)

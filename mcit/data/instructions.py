@@ -5,6 +5,7 @@ A sample in a shard is ``<key>.<png|jpg|jpeg>`` (the image bytes, unchanged) and
     {"conversations": [{"from": "human", "value": "<image>\\nQuestion"}, {"from": "gpt", "value": "answer"}],
      "answers": ["annotator 1", ...],      # optional: VQA-style reference answers
      "box": [x0, y0, x1, y1],              # optional: grounding reference
+     "size": [width, height],              # optional: the image's size (CoIN's grounding score scales by it)
      "id": "...",                          # optional: the source record's id (data_prep writes it; CoIN's
                                            #   answer files carry it as question_id)
      "choices": ["...", ...],              # optional: a multiple-choice question's options (their count scores)
@@ -27,7 +28,17 @@ from typing import Any
 from mcit.data.shards import DataError, write_split
 
 IMAGE_EXTS = ("png", "jpg", "jpeg")
-RECORD_KEYS = ("conversations", "answers", "box", "id", "choices", "text_only")
+RECORD_KEYS = ("conversations", "answers", "box", "size", "id", "choices", "text_only")
+
+
+def reference_stats(records: list[dict[str, Any]], annotations_format: str | None = None) -> dict[str, Any]:
+    """What a split's references hold, for its manifest's ``"references"``: the sample count, the fewest and
+    most reference answers of a sample, how many carry an image ``size``, and how an annotation file was
+    joined in (None without one). A scorer that needs more (m4c's ten TextVQA answers, CoIN's image sizes,
+    MCITlib's caption file: mcit.core.scorers.REQUIRES) refuses the split at pre-flight from these."""
+    counts = [len(r.get("answers") or [None]) for r in records]
+    return {"samples": len(records), "answers_min": min(counts, default=0), "answers_max": max(counts, default=0),
+            "with_size": sum(1 for r in records if "size" in r), "annotations_format": annotations_format}
 
 
 def write_instruction_split(directory: Path, samples: list[dict[str, Any]], *, shard_size: int,
@@ -42,7 +53,8 @@ def write_instruction_split(directory: Path, samples: list[dict[str, Any]], *, s
                 row[ext] = s[ext]
         rows.append(row)
     return write_split(directory, rows, shard_size=shard_size, label_space=[],
-                       extra={"kind": "instruction", "scorer": scorer, **(extra or {})})
+                       extra={"kind": "instruction", "scorer": scorer, "references": reference_stats(samples),
+                              **(extra or {})})
 
 
 def turns(conversations: list[dict[str, str]], where: str) -> list[tuple[str, str]]:
@@ -60,7 +72,7 @@ def turns(conversations: list[dict[str, str]], where: str) -> list[tuple[str, st
 
 def decode_instruction(sample: dict) -> tuple[Any, dict[str, Any], str]:
     """(PIL RGB image or None for a text-only sample, {"turns": [(question, answer), ...], "question",
-    "answer" (the last turn's), "answers", "box"?, "question_id"?, "choices"?, "text_only"?}, key) of a raw
+    "answer" (the last turn's), "answers", "box"?, "size"?, "question_id"?, "choices"?, "text_only"?}, key) of a raw
     shard sample."""
     from PIL import Image
 
@@ -80,7 +92,7 @@ def decode_instruction(sample: dict) -> tuple[Any, dict[str, Any], str]:
     question, answer = pairs[-1]
     out: dict[str, Any] = {"turns": pairs, "question": question, "answer": answer,
                            "answers": rec.get("answers") or [answer]}
-    for k in ("box", "choices", "text_only"):
+    for k in ("box", "size", "choices", "text_only"):
         if k in rec:
             out[k] = rec[k]
     if "id" in rec:

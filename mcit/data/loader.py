@@ -60,6 +60,11 @@ def classification_collate(preprocess: Callable, label_index: dict[int, int], ta
                            transform: Callable | None = None) -> Collate:
     """Raw (image, class) samples -> a Batch of pixel values and global class indices.
 
+    ``label_index`` holds the labels a sample may carry (a task's own classes when the split is that task's):
+    any other label is a one-line DataError naming the sample and its shard, raised as the sample is
+    decoded; unchecked, a label of another task meets a logit masked to -inf and the run stops later
+    at "loss is inf" with no pointer to the cause.
+
     ``transform`` (mcit.data.transforms) runs on each decoded image before ``preprocess``; a random one
     draws from a generator seeded by (``seed``, sample key), so a sample's augmentation does not depend on
     which worker, rank or resumed run collates it.
@@ -87,8 +92,9 @@ class ClassificationCollate:
         for s in samples:
             image, label, key = decode_sample(s)
             if label not in self.label_index:
-                raise DataError(f"sample {key} in {self.location}: label {label} is not in the task sequence's "
-                                f"classes")
+                raise DataError(f"sample {key} in {s.get('__url__', self.location)}: label {label} is not one of "
+                                f"its task's {len(self.label_index)} classes (a corrupted .cls, or another task's "
+                                f"shard)")
             if transform is not None:
                 if random_transform and seed is None:
                     raise ValueError(f"sample {key}: a random train transform needs a seed")

@@ -77,6 +77,7 @@ class MethodHost:
         """
         from mcit.data import transforms
 
+        own_split = split is None
         split = split or (self.plan.train[task] if train else self.plan.test[task])
         augment = train if augment is None else augment
         data = self.cfg.data
@@ -84,7 +85,11 @@ class MethodHost:
         transform = transforms.build(data.train_transform if augment else data.eval_transform, train=augment, size=size,
                                      backbone=self.plan.preprocessing)
         extra = {"transform": transform} if transform.steps else {}  # a backbone without augmentation needs no argument
-        return self.backbone.make_collate(split, task, train=train, label_index=self.plan.sequence.label_to_index(),
+        labels = self.plan.sequence.label_to_index()
+        if own_split and self.cfg.data.schedule != "joint":  # a task's own split holds its classes only
+            classes = set(self.plan.sequence.tasks[task].classes)
+            labels = {label: i for label, i in labels.items() if i in classes}
+        return self.backbone.make_collate(split, task, train=train, label_index=labels,
                                           **extra)
 
     # -- the hooks -----------------------------------------------------------------------------------

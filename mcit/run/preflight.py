@@ -133,6 +133,13 @@ def preflight(cfg: RunConfig, base: Path | None = None, *, run_dir: Path | None 
     class_names = {int(k): v for tr in train for k, v in (tr.manifest.get("class_names") or {}).items()}
     if cfg.data.validation:  # model selection: evaluate on a part of the training data, train on the rest
         train, test = map(list, zip(*(carve(tr, cfg.data.validation) for tr in train)))
+    if scorers is not None:  # the evaluated split must hold what its scorer reads (m4c's ten answers, sizes, ...)
+        from mcit.core import scorers as S
+
+        for s, te, name in zip(specs, test, scorers):
+            reason = S.unmet(name, te.manifest, s.name)
+            if reason:
+                raise ConfigError(f"data.tasks: task {s.name!r}: {te.location}: {reason}")
     replay: dict[str, list[str]] = {}
     if cfg.data.replay:
         train, replay = with_replay(train, names, cfg.data.replay, cfg.seed)

@@ -15,7 +15,7 @@ from mcit.core import metrics as M
 from mcit.core.rundir import RunDir, RunDirError
 
 KEYS = ["final_avg_acc", "final_avg_acc_task_mean", "avg_incremental_acc", "forgetting", "forgetting_mammoth", "bwt",
-        "fwd"]
+        "fwd", "mft", "mfn", "maa"]
 
 
 def load(run_dir: Path) -> dict:

@@ -12,14 +12,16 @@ from typing import Any
 
 import numpy as np
 
+from mcit.core import metrics as M
 from mcit.core.checkpoint import atomic_write_text
 from mcit.core.rundir import RunDir
 from mcit.studies.launch import last_attempts
 from mcit.studies.spec import Point, SweepSpec, setting_label, slug
 
 METRICS = ["final_avg_acc", "final_avg_acc_task_mean", "avg_incremental_acc", "avg_incremental_acc_sample_weighted",
-           "forgetting", "forgetting_mammoth", "bwt", "fwd"]
+           "forgetting", "forgetting_mammoth", "bwt", "fwd", "mft", "mfn", "maa"]
 TABLE_METRICS = ["final_avg_acc", "avg_incremental_acc", "forgetting", "bwt", "fwd"]  # the Markdown table
+MCITLIB_METRICS = ["mft", "mfn", "maa", "bwt"]  # its second table: MCITlib's columns, as its papers report them
 
 
 def _mean_std(values: list[float], ddof: int) -> tuple[float | None, float | None]:
@@ -103,6 +105,12 @@ def markdown(agg: dict[str, Any]) -> str:
         + (f" ({g['n_failed']} failed)" if g["n_failed"] else "") + " | "
         + " | ".join(cell(g["metrics"][k]) for k in TABLE_METRICS) + " |\n" for g in agg["groups"])
     text = f"# Sweep {agg['sweep']}\n\nmean ± {agg['std']} over seeds x task orders; accuracy in %.\n\n{head}{body}"
+    names = [M.MCITLIB[k] for k in MCITLIB_METRICS]
+    text += ("\n## MCITlib's columns\n\nMFT (each task just after learning it), MFN (all tasks after the last), MAA "
+             "(the mean over steps of the seen tasks' mean), BWT; task means, as MCITlib's tables.\n\n"
+             "| config | setting | n | " + " | ".join(names) + " |\n|---|---|---|" + "---|" * len(names) + "\n"
+             + "".join(f"| {g['config']} | {g['setting_label']} | {g['n']} | "
+                       + " | ".join(cell(g["metrics"][k]) for k in MCITLIB_METRICS) + " |\n" for g in agg["groups"]))
     if agg["failed"]:
         text += "\n## Points that did not finish\n\n| point | reason | log |\n|---|---|---|\n" + "".join(
             f"| {f['point']} | {f['reason']} | {f['log'] or ''} |\n" for f in agg["failed"])

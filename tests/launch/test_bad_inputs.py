@@ -227,6 +227,11 @@ def build_case(case: str, assets, work: Path, cfg: Path, done: Path, open_dir: P
         _drop_member(shards / "task0" / "train" / "shard-000000.tar", ".cls")
         return Bad("run_task_sequence", ["--config", str(cfg), f"run_dir={work / 'runs' / 'fresh_member'}", *data],
                    "shard-000000.tar", rc=1, launched=True)
+    if case == "sample_label_of_another_task":  # task0's first .cls says task1's class: found when decoded
+        other = json.loads((shards / "task1" / "train" / "manifest.json").read_text())["label_space"][0]
+        _drop_member(shards / "task0" / "train" / "shard-000000.tar", ".cls", str(other).encode())
+        return Bad("run_task_sequence", ["--config", str(cfg), f"run_dir={work / 'runs' / 'fresh_label'}", *data],
+                   f"label {other} is not one of its task's", rc=1, launched=True, also=["shard-000000.tar"])
     # -- backbones -----------------------------------------------------------------------------------------
     backbone = work / f"backbone_{case}"
     shutil.rmtree(backbone, ignore_errors=True)
@@ -289,18 +294,22 @@ def build_case(case: str, assets, work: Path, cfg: Path, done: Path, open_dir: P
     raise ValueError(case)
 
 
-def _drop_member(tar_path: Path, ext: str) -> None:
-    """Rewrite a shard without the first sample's ``ext`` member (the manifest's size is then wrong, so fix it)."""
+def _drop_member(tar_path: Path, ext: str, replace: bytes | None = None) -> None:
+    """Rewrite a shard without the first sample's ``ext`` member, or with ``replace`` as its bytes, and update
+    the manifest's size and sha256 to match (so only decoding can find it)."""
     import tarfile
 
     members = []
     with tarfile.open(tar_path) as tf:
         dropped = False
         for m in tf.getmembers():
+            data = tf.extractfile(m).read()
             if not dropped and m.name.endswith(ext):
                 dropped = True
-                continue
-            members.append((m, tf.extractfile(m).read()))
+                if replace is None:
+                    continue
+                m.size, data = len(replace), replace
+            members.append((m, data))
     import io
 
     buf = io.BytesIO()
@@ -328,6 +337,7 @@ CASES = [
     "corrupted_shard_sha256", "pipe_without_placeholder", "pipe_command_fails", "unreachable_http_root",
     "missing_manifest", "broken_manifest", "manifest_without_shards",
     "manifest_count_mismatch", "missing_data_root", "corrupted_shard_same_size", "sample_missing_member",
+    "sample_label_of_another_task",
     "missing_backbone", "backbone_without_config", "backbone_broken_config", "backbone_broken_weights",
     "evaluate_not_a_run", "evaluate_no_checkpoint", "evaluate_bad_checkpoint_arg", "evaluate_unknown_task",
     "evaluate_write_rows_subset", "evaluate_batch_size_0", "cifar_missing_fine_labels", "cifar_missing_raw",

@@ -11,9 +11,14 @@ matrix and a per-task baseline, our zero-shot row):
 
 The last task improves task 2 (79.0 -> 81.25): Chaudhry's forgetting counts it as -2.25, mammoth's
 maximum over every row (the last included) as 0, hence the two numbers.
+
+MCITlib's columns (MFT, MFN, MAA, BWT) against official/mcitlib_metrics.json (its source says where they came from).
 """
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import pytest
 
@@ -33,3 +38,33 @@ def test_metrics_match_mammoth_and_chaudhry():
     # Chaudhry et al.: the maximum over the rows before the last, so an improved task counts negative
     assert m["forgetting"] == pytest.approx(((91.5 - 58.0) + (88.25 - 60.5) + (79.0 - 81.25)) / 3, abs=1e-9)
     assert m["forgetting"] < m["forgetting_mammoth"]
+
+
+MCITLIB = json.loads((Path(__file__).parent / "official" / "mcitlib_metrics.json").read_text())
+
+
+@pytest.mark.parametrize("case", MCITLIB["cases"], ids=lambda c: c["name"])
+def test_mcitlib_columns_equal_its_numbers(case):
+    """MFT, MFN, MAA and BWT against the numbers in official/mcitlib_metrics.json (MCITlib's definitions; its
+    repository has no code for them, see the file's source) on tables from T = 1 to 6, with an old task that
+    improves, zeros, a non-monotone row, and an upper triangle of tasks not yet trained that must be ignored.
+    Unequal sample counts: the columns are task means, never sample-weighted."""
+    acc = case["acc"]
+    T = len(acc)
+    m = M.compute(acc, [7 + 13 * i for i in range(T)])
+    for ours, theirs in (("mft", "MFT"), ("mfn", "MFN"), ("maa", "MAA"), ("bwt", "BWT")):
+        if case[theirs] is None:  # BWT of one task: MCITlib has none, we report 0
+            assert T == 1 and m[ours] == 0.0
+            continue
+        assert m[ours] == pytest.approx(case[theirs], rel=1e-12, abs=1e-9 * max(1.0, abs(case[theirs]))), ours
+
+
+def test_mcitlib_table_is_not_trivial():
+    """The cases tell the columns apart: MFT differs from MFN and MAA on most tables, BWT takes both signs, and
+    one table's upper triangle is filled (the same numbers as with it zeroed)."""
+    cases = MCITLIB["cases"]
+    assert len({len(c["acc"]) for c in cases}) >= 5
+    assert sum(abs(c["MFT"] - c["MFN"]) > 1 and abs(c["MFT"] - c["MAA"]) > 1 for c in cases) >= 5
+    bwts = [c["BWT"] for c in cases if c["BWT"] is not None]
+    assert min(bwts) < -1 and max(bwts) > 1
+    assert any(any(v != 0 for t, row in enumerate(c["acc"]) for v in row[t + 1:]) for c in cases)

@@ -17,6 +17,7 @@ from raw_formats import (
     domainnet_raw,
     imagenet_r_raw,
     llava_mix_raw,
+    ucit_json_raw,
 )
 
 from mcit.data.shards import DataError, open_split
@@ -239,7 +240,15 @@ def test_instruction_sets_convert_and_verify(tmp_path):
     assert decoded[0]["answers"] == ["red"] * 7 + ["dark red"] * 3  # joined from the annotation file
     g = [decode_instruction(s)[1] for s in iter_samples(open_split(out["coin"] / "grounding" / "test"), 0, 1,
                                                         policy="sample")]
-    assert g[0]["box"] == [0.1, 0.1, 0.9, 0.9]
+    assert g[0]["box"] == [0.1, 0.1, 0.9, 0.9] and g[0]["size"] == [32, 32]  # CoIN's scorer scales by max(size)
+    assert test.manifest["references"] == {"samples": 3, "answers_min": 10, "answers_max": 10, "with_size": 0,
+                                           "annotations_format": "question_id"}
+    cap = open_split(out["ucit_json"] / "vizwiz_caption" / "test")
+    assert cap.manifest["references"]["annotations_format"] == "coco_captions"
+    caps = [decode_instruction(s)[1]["answers"] for s in iter_samples(cap, 0, 1, policy="sample")]
+    assert caps == [["a red square", "a square that is red", "red"],
+                    ["a green square", "green colour", "a plain green picture"],
+                    ["a blue square", "a square of blue", "blue and dark"]]  # image_id k is the k-th record
     assert convert("coin", "--verify", out["coin"]).returncode == 0
     tr = open_split(out["ucit"] / "arxivqa" / "train")
     assert tr.num_samples == 3 and tr.manifest["scorer"] == "ucit_accuracy"
@@ -308,6 +317,32 @@ def test_ucit_reads_mcitlib_folder_names(tmp_path):
                 tmp_path / "ucit_out")
     assert r.returncode == 0, r.stderr
     assert open_split(tmp_path / "ucit_out" / "vizwiz_caption" / "test").num_samples == 3
+
+
+def test_coco_caption_file_joins_by_position_and_refuses_a_misaligned_one(tmp_path):
+    """MCITlib's eval_caption.py numbers the k-th answer image_id k: a COCO caption file joins by position. A
+    file whose k-th image is not the k-th record's image, or that lacks an image_id, is an error naming the
+    record, before anything is written."""
+    raw = coin_raw(tmp_path / "coin_raw")
+    uj = ucit_json_raw(tmp_path / "uj", raw / "images")
+    coco_path = uj / "VizWiz" / "test_captions_coco.json"
+    coco = json.loads(coco_path.read_text())
+
+    def run(out, data):
+        coco_path.write_text(json.dumps(data))
+        return convert("ucit", "--instructions", uj, "--images", uj / "datasets", "--task", "vizwiz_caption",
+                       "--out", tmp_path / out, "--annotations", f"vizwiz_caption={coco_path}")
+
+    swapped = dict(coco, images=[dict(im, file_name=n) for im, n in zip(coco["images"], ("green2.jpg", "red2.jpg",
+                                                                                             "blue2.jpg"))])
+    r = run("o1", swapped)
+    assert r.returncode == 2 and "record 'ctred'" in r.stderr and "out of order" in r.stderr
+    assert not (tmp_path / "o1").exists()
+    short = dict(coco, annotations=[a for a in coco["annotations"] if a["image_id"] != 3])
+    r = run("o2", short)
+    assert r.returncode == 2 and "record 'ctblue'" in r.stderr and "no image_id 3" in r.stderr
+    unnamed = {"annotations": coco["annotations"]}  # no images list: the position alone joins
+    assert run("o3", unnamed).returncode == 0
 
 
 def test_bad_instruction_inputs_name_the_record_and_file(tmp_path):

@@ -495,6 +495,49 @@ def test_bad_mcit_inputs_fail_fast_with_one_line(mcit_assets, assets, tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+def test_preflight_refuses_a_split_without_what_its_scorer_reads(mcit_assets, tmp_path):
+    """CoIN's TextVQA scorer (m4c) needs the ten annotator answers: converted without the annotation file a
+    split holds one answer and would score 0 for every exact match, so pre-flight stops, naming the file to
+    pass. Likewise CoIN's grounding without image sizes and MCITlib's caption score without its COCO file.
+    The same splits converted with what they need pass pre-flight."""
+    from raw_formats import coin_raw, ucit_json_raw
+
+    from mcit.core.config import load_config
+    from mcit.run.preflight import preflight
+
+    raw = coin_raw(tmp_path / "raw")
+    ins = raw / "Instructions_Original"
+    gt = json.loads((ins / "Grounding" / "test.json").read_text())
+    (ins / "Grounding" / "test.json").write_text(json.dumps([{k: v for k, v in r.items() if k != "size"} for r in gt]))
+    uj = ucit_json_raw(tmp_path / "uj", raw / "images")
+    for args in (("coin", "--task", "textvqa", "grounding", "--out", tmp_path / "bare"),
+                 ("ucit", "--instructions", uj, "--images", uj / "datasets", "--task", "vizwiz_caption", "--out",
+                  tmp_path / "bare"),
+                 ("coin", "--task", "textvqa", "--annotations", f"textvqa={raw / 'TextVQA_val.json'}", "--out",
+                  tmp_path / "full"),
+                 ("ucit", "--instructions", uj, "--images", uj / "datasets", "--task", "vizwiz_caption", "--annotations",
+                  f"vizwiz_caption={uj / 'VizWiz' / 'test_captions_coco.json'}", "--out", tmp_path / "full")):
+        base = [] if "--instructions" in args else ["--instructions", ins, "--images", raw / "images"]
+        r = convert(args[0], *base, *args[1:])
+        assert r.returncode == 0, r.stderr
+
+    def config(root, task):
+        return mcit_config(mcit_assets, tmp_path, f"{root}_{task}", data={"tasks": [
+            {"name": task, "train": str(tmp_path / root / task / "train"), "test": str(tmp_path / root / task / "test")}]})
+
+    expect = {"textvqa": "--annotations textvqa=TextVQA_0.5.1_val.json", "grounding": "have no 'size'",
+              "vizwiz_caption": "--annotations vizwiz_caption=<the COCO caption file>"}
+    for task, text in expect.items():
+        r = run_main(["--config", str(config("bare", task))])
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and text in lines[0], r.stderr
+        assert f"task {task!r}" in lines[0] and str(tmp_path / "bare" / task / "test") in lines[0]
+    for task in ("textvqa", "vizwiz_caption"):
+        plan = preflight(load_config(config("full", task)))
+        assert plan.scorers == [{"textvqa": "coin_textvqa", "vizwiz_caption": "ucit_caption"}[task]]
+    assert not (tmp_path / "runs").exists()
+
+
 def test_answer_rows_carry_coin_fields_and_the_record_reaches_the_scorer(llava, tmp_path):
     """A CoIN ScienceQA test record ({question_id, image, text, answer index, choices}) converted, collated for
     evaluation: its id is the answer row's question_id, CoIN's model_vqa fields are there, and the number of
@@ -613,15 +656,20 @@ def test_scorers_at_their_edges():
 
 def test_coin_grounding_reads_a_box_reference_before_the_answer_text():
     """A reference with a ``box`` list scores against it (the answer text may be a sentence); without one, the
-    ``answer_bbox`` text wins over ``answer``. IoU must be strictly above 0.5 (CoIN's eval_grounding)."""
-    box_ref = {"answer": "the cup on the left", "box": [0, 0, 10, 10]}
-    assert S.get("coin_grounding")("[0, 0, 10, 6]", box_ref) == 1.0
-    assert S.get("coin_grounding")("[0, 0, 10, 5]", box_ref) == 0.0  # IoU exactly 0.5
-    assert S.get("coin_grounding")("no box", box_ref) == 0.0
-    both = {"answer": "[5, 5, 9, 9]", "answer_bbox": "[0, 0, 10, 10]"}
-    assert S.get("coin_grounding")("[0, 0, 10, 10]", both) == 1.0
-    assert S.get("coin_grounding")("[5, 5, 9, 9]", both) == 0.0
-    assert S.get("coin_grounding")("[0, 0, 10, 6]", {"answer": "[0, 0, 10, 10]"}) == 1.0  # neither: the answer text
+    ``answer_bbox`` text wins over ``answer``. Scored as eval_grounding.py: the prediction read after its
+    ``[1:-1]`` cut, both boxes times max(size), IoU strictly above 0.5; the parsed variant reads brackets."""
+    g, parsed = S.get("coin_grounding"), S.get("coin_grounding_parsed")
+    box_ref = {"answer": "the cup on the left", "box": [0, 0, 0.5, 0.5], "size": [4, 3]}
+    assert g("(0, 0, 0.5, 0.3)", box_ref) == 1.0  # IoU 0.6
+    assert g("(0, 0, 0.5, 0.25)", box_ref) == 0.0  # IoU exactly 0.5
+    assert g("no box", box_ref) == 0.0
+    assert g("[0, 0, 0.5, 0.3]", box_ref) == 0.0 and parsed("[0, 0, 0.5, 0.3]", box_ref) == 1.0  # the cut
+    both = {"answer": "[0.5, 0.5, 0.9, 0.9]", "answer_bbox": "[0, 0, 0.5, 0.5]", "size": [4, 3]}
+    assert g("(0, 0, 0.5, 0.5)", both) == 1.0
+    assert g("(0.5, 0.5, 0.9, 0.9)", both) == 0.0
+    assert g("(0, 0, 0.5, 0.3)", {"answer": "[0, 0, 0.5, 0.5]", "size": [4, 3]}) == 1.0  # neither: the answer text
+    with pytest.raises(ValueError, match="size"):
+        g("(0, 0, 0.5, 0.3)", {"box": [0, 0, 0.5, 0.5]})
 
 
 def test_box_iou_on_boxes_that_are_not_squares_at_the_origin():

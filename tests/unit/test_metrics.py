@@ -87,6 +87,8 @@ def test_text_tables_are_pinned_character_for_character():
          "bwt": -10.0, "fwd": 1.5}
     assert M.format_summary(m) == ("final_avg_acc=70.00  final_avg_acc_task_mean=65.12  avg_incremental_acc=n/a  "
                                    "forgetting=10.00  bwt=-10.00  fwd=1.50")
+    m.update(mft=80.0, mfn=65.125, maa=None)  # MCITlib's columns, on a line of their own
+    assert M.format_summary(m).splitlines()[1] == "MCITlib: MFT=80.00  MFN=65.12  MAA=n/a  BWT=-10.00"
     assert M.format_matrix(["colour", "count"], [[99.0, 1.0], [89.0, 75.5]], [90.5, 1.0]) == (
         "after \\ on    colour   count\n"
         "zero-shot      90.50    1.00\n"
@@ -102,7 +104,7 @@ def test_text_tables_are_pinned_character_for_character():
         "# run\n\nmethod: `lora` · backbone: `tiny` (sha256 `0123456789abcdef`) · test samples per task: [3, 1]\n\n"
         "## Accuracy matrix (%)\n\n| after \\ on | a | b |\n|---|---|---|\n| zero-shot | 85.00 | 5.00 |\n"
         "| a | 90.00 | 10.00 |\n| b | 80.00 | 50.00 |\n\n![accuracy matrix](h.png)\n\n"
-        "## Metrics\n\n| metric | value |\n|---|---|\n| final_avg_acc | 72.50 |\n| bwt | n/a |\n")
+        "## Metrics\n\n| metric | value |\n|---|---|\n| final_avg_acc | 72.50 |\n| bwt (BWT) | n/a |\n")
     bare = M.report_markdown("run", "lora", "tiny", ["a"], [3], [[90.0]], None, {})  # no hash, no zero-shot row
     assert bare.splitlines()[2] == "method: `lora` · backbone: `tiny` · test samples per task: [3]"
     assert "| after \\ on | a |\n|---|---|\n| a | 90.00 |\n\n![accuracy matrix](acc_matrix.png)" in bare
