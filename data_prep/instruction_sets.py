@@ -46,6 +46,8 @@ class TaskPreset:
     folder: str          # its folder in the benchmark's instruction tree
     scorer: str
     test_file: str = "test"  # the stem of the file the benchmark's own evaluation reads as the test split
+    test_folder: str = ""    # the test file's folder when not ``folder`` (MLLM-ACL's <Ability>_test)
+    images_here: bool = False  # image paths are relative to the split file's folder (MLLM-CL), not --images
 
 
 # CoIN's evaluation scripts (zackschen/CoIN scripts/LLaVA/Eval/*.sh) read val.json for TextVQA, VizWiz and VQAv2
@@ -61,6 +63,22 @@ COIN = [TaskPreset("scienceqa", "ScienceQA", "coin_scienceqa"), TaskPreset("text
 UCIT = [TaskPreset("imagenet_r", "ImageNet-R", "ucit_accuracy"), TaskPreset("arxivqa", "ArxivQA", "ucit_accuracy"),
         TaskPreset("vizwiz_caption", "VizWiz", "ucit_caption"), TaskPreset("iconqa", "IconQA", "ucit_accuracy"),
         TaskPreset("clevr_math", "CLEVR-Math", "ucit_accuracy"), TaskPreset("flickr30k", "Flickr30k", "ucit_caption")]
+# MLLM-CL (bjzhb666/MLLM-CL 80bf389 README; MCITlib's Domain_data/<X>/{train,test}.json): every task folder holds its
+# images (paths relative to it), each task scored by MLLM-CL's own script (mcit.core.scorers, mllm_cl_*).
+# MLLM-DCL in the order of its scripts (RS, Med, AD, Sci, Fin).
+MLLM_DCL = [TaskPreset("rs", "RS", "mllm_cl_ai2d", images_here=True),
+            TaskPreset("med", "Med", "mllm_cl_pvqa", images_here=True),
+            TaskPreset("ad", "AD", "mllm_cl_ai2d", images_here=True),
+            TaskPreset("sci", "Sci", "mllm_cl_sci", images_here=True),
+            TaskPreset("fin", "Fin", "mllm_cl_finvis", images_here=True)]
+# MLLM-ACL: <Ability>/train.json and <Ability>_test/test.json. Its Math (a GPT judge over MathVista's table) and
+# APP (MMT-Bench's evaluation server) have no local rule; MLLM_ACL_EXTERNAL says so when they are asked for.
+MLLM_ACL = [TaskPreset("ocr", "OCR", "mllm_cl_ocrbench", test_folder="OCR_test", images_here=True),
+            TaskPreset("vp", "VP", "mllm_cl_vp", test_folder="VP_test", images_here=True)]
+MLLM_ACL_EXTERNAL = {
+    "math": "MLLM-ACL Math is scored by a GPT judge against MathVista's answer table (eval_math.py), which "
+            "this converter does not read yet",
+    "app": "MLLM-ACL APP is scored by MMT-Bench's evaluation server (convert_result_to_submission.py), not locally"}
 
 
 def _safe(x: Any) -> str:
@@ -82,6 +100,7 @@ def _box(value: Any) -> list[float]:
     return box
 
 
+META_KEYS = ("answer_type", "task", "type", "question_type")  # kept from test records for their scorers
 IMAGE_KEY = "image:"  # annotation keys of a file joined by image file name (VizWiz)
 POSITION_KEY = "position:"  # annotation keys of a COCO caption file: image_id k is the k-th record (1-based)
 
@@ -211,6 +230,11 @@ def record_reference(item: dict, where: Path, annotations: dict[str, dict] | Non
                 raise RecordError(rid, where, "record has no answer")
             if isinstance(ans, int) and "choices" in item:
                 ans = LETTERS[ans]
+            if isinstance(ans, list):  # several accepted answers (MLLM-ACL OCR, OCRBench): the first is trained
+                if not ans:
+                    raise RecordError(rid, where, "record has an empty answer list")
+                extra["answers"] = _answers(ans)
+                ans = ans[0]
             pairs = [(q if "<image>" in q or text_only else f"<image>\n{q}", str(ans))]
         else:
             raise RecordError(rid, where, "unknown format (neither 'conversations' nor 'text'/'question')")
@@ -221,6 +245,11 @@ def record_reference(item: dict, where: Path, annotations: dict[str, dict] | Non
                 extra["box"] = _box(item[k])
         if "choices" in item:
             extra["choices"] = [str(c) for c in item["choices"]]
+        for k in META_KEYS:  # what a benchmark's scorer reads beside the answer (OCRBench's category, ...)
+            if isinstance(item.get(k), str):
+                extra[k] = item[k]
+        if isinstance(item.get("image"), str):  # MLLM-DCL Sci's scorer picks its rule by the image's file name
+            extra["image_name"] = item["image"]
         if "size" in item:  # (width, height): CoIN's grounding score scales both boxes by max(size)
             size = [float(v) for v in item["size"]]
             if len(size) != 2 or min(size) <= 0:
@@ -383,21 +412,26 @@ def convert_split(path: Path, out: Path, *, images: Path | None, scorer: str, an
     return write_planned(specs, skipped, path, out, scorer=scorer, annotations=annotations, on_error=on_error, **kw)
 
 
-def iter_split_files(folder: Path, test_file: str = "test") -> Iterator[tuple[str, Path]]:
+def iter_split_files(folder: Path, test_file: str = "test", *,
+                     train_folder: Path | None = None) -> Iterator[tuple[str, Path]]:
     """(split, file) of a task folder: ``train`` and ``test_file`` (the file the benchmark's evaluation
     reads, e.g. CoIN's val.json for TextVQA) as .json, .jsonl, .parquet, .arrow or a saved dataset. Only
-    that file is the test split, whatever else the folder holds."""
+    that file is the test split, whatever else the folder holds. ``train_folder``: where train is, when
+    not in ``folder`` (MLLM-ACL keeps its test files in <Ability>_test)."""
     for split, stem in (("train", "train"), ("test", test_file)):
-        found = [folder / f"{stem}{ext}" for ext in (".json", ".jsonl", ".parquet", ".arrow", "")
-                 if (folder / f"{stem}{ext}").exists()]
+        where = (train_folder or folder) if split == "train" else folder
+        found = [where / f"{stem}{ext}" for ext in (".json", ".jsonl", ".parquet", ".arrow", "")
+                 if (where / f"{stem}{ext}").exists()]
         if not found:
-            raise DataError(f"{folder}: no {stem}.json (or .jsonl/.parquet/.arrow/saved dataset)"
+            raise DataError(f"{where}: no {stem}.json (or .jsonl/.parquet/.arrow/saved dataset)"
                             + (f" (the {split} split)" if stem != split else ""))
         yield split, found[0]
 
 
-def benchmark_main(benchmark: str, presets: list[TaskPreset], doc: str, argv: list[str] | None = None) -> int:
-    """The command of one benchmark: ``--task NAME|all`` converts each task's train and test file."""
+def benchmark_main(benchmark: str, presets: list[TaskPreset], doc: str, argv: list[str] | None = None,
+                   unsupported: dict[str, str] | None = None) -> int:
+    """The command of one benchmark: ``--task NAME|all`` converts each task's train and test file.
+    ``unsupported``: tasks of the benchmark that cannot be converted, with the reason given when asked for."""
     import sys
 
     from data_prep.common import converter_arguments, run_cli
@@ -414,6 +448,12 @@ def benchmark_main(benchmark: str, presets: list[TaskPreset], doc: str, argv: li
 
     def build(args: Any) -> None:
         names = [p.name for p in presets] if args.task == ["all"] else args.task
+        for t in names:
+            if t.lower() in (unsupported or {}):
+                raise DataError(f"task {t!r}: {(unsupported or {})[t.lower()]}")
+        if args.task == ["all"]:
+            for t, why in (unsupported or {}).items():
+                print(f"{t}: not converted ({why})", file=sys.stderr)
         unknown = [t for t in names if t.lower() not in by_name]
         if unknown:
             raise DataError(f"unknown task {unknown[0]!r}; {benchmark} has {', '.join(p.name for p in presets)}")
@@ -427,11 +467,15 @@ def benchmark_main(benchmark: str, presets: list[TaskPreset], doc: str, argv: li
         for t in names:
             preset = by_name[t.lower()]
             folder = args.instructions / preset.folder
-            if not folder.is_dir():
-                raise DataError(f"missing directory: {folder} (task {preset.name})")
-            for split, f in iter_split_files(folder, preset.test_file):
+            folders = [folder] + ([args.instructions / preset.test_folder] if preset.test_folder else [])
+            for d in folders:
+                if not d.is_dir():
+                    raise DataError(f"missing directory: {d} (task {preset.name})")
+            for split, f in iter_split_files(folders[-1] if preset.test_folder else folder, preset.test_file,
+                                             train_folder=folder):
                 a = ann.get(preset.name) if split == "test" else None
-                todo.append((preset, split, f, a, *specs_of(f, args.images, a, args.on_error)))
+                images = args.images or (f.parent if preset.images_here else None)
+                todo.append((preset, split, f, a, *specs_of(f, images, a, args.on_error)))
         for preset, split, f, a, specs, skipped in todo:
             m = write_planned(specs, skipped, f, args.out / preset.name / split, scorer=preset.scorer, annotations=a,
                               shard_size=args.shard_size, workers=args.workers, on_error=args.on_error,

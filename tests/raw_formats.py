@@ -276,3 +276,81 @@ def convert_instruction_sets(tmp_path) -> dict[str, object]:
     return {"coin_raw": raw, "coin": tmp_path / "coin", "ucit_raw": ucit, "ucit": tmp_path / "ucit",
             "arrow_split": tmp_path / "arrow_split", "mix_raw": mix, "mix_sample": tmp_path / "mix_sample",
             "ucit_json": tmp_path / "ucit_json"}
+
+
+def _images(folder, names):
+    from PIL import Image
+
+    (folder / "images").mkdir(parents=True, exist_ok=True)
+    for n, name in enumerate(names):
+        Image.new("RGB", (32, 32), (37 * n % 256, 200 - 23 * n % 200, 90 + 11 * n)).save(folder / "images" / name)
+
+
+def mllm_dcl_raw(root):
+    """MLLM-DCL as MLLM-CL publishes it (and MCITlib's Domain_data): <Domain>/{train,test}.json with the images in
+    <Domain>/images, paths relative to the domain folder; train records in LLaVA's conversation form with a
+    question_id, test records {question_id, image, text (no <image>), answer}. Sci's file names carry the source
+    (AI2D_, MapQA_) its scorer reads; Fin answers Yes/No or a letter."""
+    qa = {"RS": [("Is there a road in the image?", "yes"), ("How many buildings are there?", "12"),
+                 ("Is there a lake?", "no"), ("What is the area covered by buildings?", "between 10 and 100")],
+          "Med": [("Is this squamous cell carcinoma?", "yes"), ("What organ is shown?", "liver"),
+                  ("Is there necrosis?", "no"), ("What stain is used?", "hematoxylin and eosin")],
+          "AD": [("What is the ego vehicle doing?", "Going ahead."), ("Is there a pedestrian ahead?", "no"),
+                 ("What should the car do at the light?", "Stop."), ("Where is the truck?", "<c1,CAM_FRONT,100,200>")],
+          "Sci": [("Which label shows the root?\nA. a\nB. b", "A"), ("Which states have a value lower than 100?",
+                  "Alabama,Alaska"), ("Which label shows the leaf?\nA. a\nB. b", "B"),
+                  ("What is the highest value in the east?", "500-600")],
+          "Fin": [("Will the closing price rise on the next day?", "Yes"), ("Which pattern is shown?\nA. Hammer\nB. "
+                  "Doji\nC. Engulfing\nD. Star", "B"), ("Is the volume rising?", "No"), ("Which trend?\nA. up\nB. down",
+                                                                                        "A")]}
+    prefix = {"Sci": ["AI2D_", "MapQA_", "AI2D_", "MapQA_"]}
+    root = root / "Domain_data"
+    for domain, pairs in qa.items():
+        folder = root / domain
+        names = [f"{prefix.get(domain, [domain.lower() + '_'] * 4)[n]}{n:04d}.png" for n in range(len(pairs))]
+        _images(folder, names)
+        train = [{"question_id": f"{domain.lower()}_train_{n}", "image": f"images/{names[n]}", "conversations": [
+            {"from": "human", "value": f"<image>\n{q}"}, {"from": "gpt", "value": a}]}
+            for n, (q, a) in enumerate(pairs)]
+        test = [{"question_id": f"{domain.lower()}_test_{n}", "image": f"images/{names[n]}", "text": q, "answer": a}
+                for n, (q, a) in enumerate(pairs[:3])]
+        (folder / "train.json").write_text(json.dumps(train))
+        (folder / "test.json").write_text(json.dumps(test))
+    return root
+
+
+def mllm_acl_raw(root):
+    """MLLM-ACL as MLLM-CL publishes it: <Ability>/train.json + images and <Ability>_test/test.json + images, each
+    path relative to its own folder. OCR test records carry OCRBench's answer list and category (``answer_type``),
+    VP's its ``type`` and ``task``; Math and APP folders exist (their scoring is not local)."""
+    root = root / "Ability_data"
+    data = {
+        "OCR": ([("What is written on the sign?", "STOP"), ("What is the shop's name?", "Bakery")],
+                [{"text": "what is written in the image?", "answer": ["STOP", "stop sign"],
+                  "answer_type": "Regular Text Recognition"},
+                 {"text": "Please write out the expression of the formula in the image using LaTeX format.",
+                  "answer": ["x ^ { 2 } + 1"], "answer_type": "Handwritten Mathematical Expression Recognition"},
+                 {"text": "What is the title?", "answer": "Open", "answer_type": "Scene Text-centric VQA"}]),
+        "VP": ([("How many chairs are there?", "3"), ("How many cars are there?", "(B)")],
+               [{"text": "How many chairs are in the image? Select from the following choices.\n(A) 3\n(B) 2",
+                 "answer": "(A)", "type": "2D", "task": "Count"},
+                {"text": "Which is closer to the camera?\n(A) the chair\n(B) the table", "answer": "(B)",
+                 "type": "3D", "task": "Depth"}]),
+        "Math": ([("What is 2 + 3?", "5")], [{"text": "Hint: ...\nQuestion: What is 2 + 3?"}]),
+        "APP": ([("Which element opens settings?\nA. gear\nB. bell", "A")],
+                [{"text": "Which element?", "answer": "A"}]),
+    }
+    for ability, (train_pairs, test_recs) in data.items():
+        tr, te = root / ability, root / f"{ability}_test"
+        tr_names = [f"{ability.lower()}_{n:04d}.jpg" for n in range(len(train_pairs))]
+        te_names = [f"{ability.lower()}_test_{n:04d}.jpg" for n in range(len(test_recs))]
+        _images(tr, tr_names)
+        _images(te, te_names)
+        train = [{"question_id": f"{ability.lower()}_train_{n}", "image": f"images/{tr_names[n]}", "conversations": [
+            {"from": "human", "value": f"<image>\n{q}"}, {"from": "gpt", "value": a}]}
+            for n, (q, a) in enumerate(train_pairs)]
+        test = [{"question_id": f"{ability.lower()}_{n}", "image": f"images/{te_names[n]}", **rec}
+                for n, rec in enumerate(test_recs)]
+        (tr / "train.json").write_text(json.dumps(train))
+        (te / "test.json").write_text(json.dumps(test))
+    return root

@@ -134,8 +134,8 @@ def report_markdown(name: str, method: str, backbone: str, tasks: list[str], cou
         table += "| zero-shot | " + " | ".join(f"{v:.2f}" for v in zero_shot) + " |\n"
     for t, row in enumerate(acc):
         table += f"| {(rows or tasks)[t]} | " + " | ".join(f"{v:.2f}" for v in row) + " |\n"
-    metric_rows = "".join(f"| {k}{f' ({MCITLIB[k]})' if k in MCITLIB else ''} | {'n/a' if v is None else f'{v:.2f}'} |\n"
-                          for k, v in m.items())
+    names = {k: f"{k} ({MCITLIB[k]})" if k in MCITLIB else k for k in m}
+    metric_rows = "".join(f"| {names[k]} | {'n/a' if v is None else f'{v:.2f}'} |\n" for k, v in m.items())
     sha = f" (sha256 `{backbone_sha256[:16]}`)" if backbone_sha256 else ""
     return (f"# {name}\n\nmethod: `{method}` · backbone: `{backbone}`{sha} · test samples per task: {counts}\n\n"
             f"## Accuracy matrix (%)\n\n{head}{table}\n![accuracy matrix]({heatmap_file})\n\n"

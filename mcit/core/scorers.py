@@ -92,6 +92,22 @@ def _caption_file(refs: dict[str, Any], task: str) -> str | None:
             f"convert its test file with --annotations {task}=<the COCO caption file>")
 
 
+@requires("mllm_cl_sci")
+def _image_names(refs: dict[str, Any], task: str) -> str | None:
+    if refs.get("with_image_name") == refs.get("samples"):
+        return None
+    return ("scorer mllm_cl_sci picks its rule by each record's image file name (AI2D_, TQA_, VQA_, SciVerse_ or "
+            "MapQA), and some records have none: convert MLLM-DCL's Sci/test.json with data_prep.mllm_dcl")
+
+
+@requires("mllm_cl_ocrbench")
+def _ocr_categories(refs: dict[str, Any], task: str) -> str | None:
+    if refs.get("with_answer_type") == refs.get("samples"):
+        return None
+    return ("scorer mllm_cl_ocrbench reads each record's OCRBench category ('answer_type'), and some records have "
+            "none: convert MLLM-ACL's OCR_test/test.json with data_prep.mllm_acl")
+
+
 def get(name: str) -> Scorer:
     if name not in SCORERS:
         raise KeyError(f"unknown scorer {name!r}; known: {', '.join(sorted(SCORERS))}")
@@ -386,3 +402,103 @@ def coin_grounding_parsed(pred: str, ref: dict[str, Any]) -> float:
     model answering "[x1, y1, x2, y2]" as CoIN trains it is read as written). A named option; it departs
     from CoIN's numbers wherever the cut changes the box."""
     return _coin_grounding(pred, ref, official=False)
+
+
+# --------------------------------------------------------------------------------------------------
+# MLLM-CL's evaluation scripts (bjzhb666/MLLM-CL 80bf389, ETrain/Eval/LLaVA/CoIN/eval_*.py; byte-identical in
+# Ghy0501/MCITlib 2956dfd <method>/llava/eval/CoIN/), one scorer per rule: MLLM-DCL's RS and AD (eval_ai2d), Med
+# (eval_pvqa), Sci (eval_sci), Fin (eval_finvis); MLLM-ACL's OCR (eval_ocr) and VP (eval_sat). Each returns the
+# per-sample number the script adds to its count; the script's accuracy is their mean x 100. Their quirks are
+# theirs and kept (a decimal answer without spaces never matches in eval_ai2d: it loses its dots, the prediction
+# does not), as the published tables count them.
+
+
+@register("mllm_cl_ai2d")
+def mllm_cl_ai2d(pred: str, ref: dict[str, Any]) -> float:
+    """eval_ai2d.py (MLLM-DCL RS and AD): a prediction containing "Unanswerable" scores 0; lower case; an
+    answer with a space must occur in the prediction; a one-word answer loses its full stops and must occur
+    in it (a prediction with spaces: after a space, or before a space, full stop or comma)."""
+    if "Unanswerable" in pred:
+        return 0.0
+    p, gt = pred.lower(), ref["answer"].lower()
+    if " " in gt:
+        return float(gt in p)
+    gt = gt.replace(".", "")
+    if " " in p:
+        return float(f" {gt}" in p or f"{gt} " in p or f"{gt}." in p or f"{gt}," in p)
+    return float(gt in p)
+
+
+@register("mllm_cl_pvqa")
+def mllm_cl_pvqa(pred: str, ref: dict[str, Any]) -> float:
+    """eval_pvqa.py (MLLM-DCL Med): "Unanswerable" scores 0; else the answer occurs in the prediction, case
+    ignored ("no" occurs in "I do not know")."""
+    if "Unanswerable" in pred:
+        return 0.0
+    return float(ref["answer"].lower() in pred.lower())
+
+
+_SCI_EXACT = ("AI2D", "TQA", "VQA", "SciVerse")
+
+
+@register("mllm_cl_sci")
+def mllm_cl_sci(pred: str, ref: dict[str, Any]) -> float:
+    """eval_sci.py (MLLM-DCL Sci): "Unanswerable" scores 0; an image whose file name starts "AI2D_", "TQA_",
+    "VQA_" or "SciVerse_" needs the lower-cased prediction to equal the answer; the others (MapQA): a question
+    containing "Which states" scores the share of the answer's comma-separated items among the prediction's
+    (unstripped, so ", " costs an item), else the answer must occur in the prediction. Needs the record's
+    ``image_name`` and ``question``."""
+    if "Unanswerable" in pred:
+        return 0.0
+    p, gt = pred.lower(), ref["answer"].lower()
+    if str(ref["image_name"]).split("/")[-1].split("_")[0] in _SCI_EXACT:
+        return float(gt == p)
+    if "Which states" in ref["question"]:
+        items, said = gt.split(","), p.split(",")
+        return sum(1 for g in items if g in said) / len(items)
+    return float(gt in p)
+
+
+@register("mllm_cl_finvis")
+def mllm_cl_finvis(pred: str, ref: dict[str, Any]) -> float:
+    """eval_finvis.py (MLLM-DCL Fin): "Unanswerable" scores 0; the prediction without spaces and full stops,
+    lower-cased, equals the lower-cased answer ("A." and " a " score; "(A)" does not)."""
+    if "Unanswerable" in pred:
+        return 0.0
+    return float(pred.lower().replace(" ", "").replace(".", "") == ref["answer"].lower())
+
+
+OCRBENCH_CATEGORIES = ("Regular Text Recognition", "Irregular Text Recognition", "Artistic Text Recognition",
+                       "Handwriting Recognition", "Digit String Recognition", "Non-Semantic Text Recognition",
+                       "Scene Text-centric VQA", "Doc-oriented VQA", "Key Information Extraction",
+                       "Handwritten Mathematical Expression Recognition")
+
+
+@register("mllm_cl_ocrbench")
+def mllm_cl_ocrbench(pred: str, ref: dict[str, Any]) -> float:
+    """eval_ocr.py (MLLM-ACL OCR, OCRBench's rule): a hit when any reference answer occurs in the prediction,
+    both stripped, newlines deleted (not spaced) and lower-cased; for "Handwritten Mathematical Expression
+    Recognition" spaces are deleted too and case counts. The script's "Final Score Norm" is the hit count / 10,
+    the mean x 100 at OCRBench's 1000 questions; the mean is reported here at any size. An ``answer_type``
+    outside OCRBench's ten categories is refused (the script crashes on it, on a hit only)."""
+    category = ref.get("answer_type")
+    if category not in OCRBENCH_CATEGORIES:
+        raise ValueError(f"mllm_cl_ocrbench: answer_type {category!r} is not one of OCRBench's categories")
+    answers = ref.get("answers") or [ref["answer"]]
+    if category == "Handwritten Mathematical Expression Recognition":
+        p = pred.strip().replace(" ", "").replace("\n", "")
+        return float(any(a.strip().replace(" ", "").replace("\n", "") in p for a in answers))
+    p = pred.lower().strip().replace("\n", "")
+    return float(any(a.lower().strip().replace("\n", "") in p for a in answers))
+
+
+@register("mllm_cl_vp")
+def mllm_cl_vp(pred: str, ref: dict[str, Any]) -> float:
+    """eval_sat.py (MLLM-ACL VP): the answer, lower-cased and stripped of spaces, newlines and full stops,
+    occurs in the prediction treated the same way ("(A) or (B)" scores for "(A)"; no "Unanswerable" rule).
+    The script's second number, the accuracy on ``task == "Count"`` alone, divides by zero without such
+    samples; it is not reproduced."""
+    def squash(t: str) -> str:
+        return t.lower().strip().replace(" ", "").replace("\n", "").replace(".", "")
+
+    return float(squash(ref["answer"]) in squash(pred))

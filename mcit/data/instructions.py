@@ -9,6 +9,8 @@ A sample in a shard is ``<key>.<png|jpg|jpeg>`` (the image bytes, unchanged) and
      "id": "...",                          # optional: the source record's id (data_prep writes it; CoIN's
                                            #   answer files carry it as question_id)
      "choices": ["...", ...],              # optional: a multiple-choice question's options (their count scores)
+     "image_name": "images/AI2D_1.png",    # optional: the record's image path (MLLM-DCL Sci's rule reads it)
+     "answer_type": "...", "task": "...",  # optional: what a benchmark's scorer reads (OCRBench's category, ...)
      "text_only": true}                    # a question without an image (CoIN ScienceQA, LLaVA's text
                                            #   conversations): the sample then has no image file
 
@@ -28,17 +30,21 @@ from typing import Any
 from mcit.data.shards import DataError, write_split
 
 IMAGE_EXTS = ("png", "jpg", "jpeg")
-RECORD_KEYS = ("conversations", "answers", "box", "size", "id", "choices", "text_only")
+# what a scorer may read beside the answers: an OCRBench category, MLLM-CL VP's task, the image's file name
+SCORER_KEYS = ("box", "size", "choices", "text_only", "image_name", "answer_type", "task", "type", "question_type")
+RECORD_KEYS = ("conversations", "answers", "id", *SCORER_KEYS)
 
 
 def reference_stats(records: list[dict[str, Any]], annotations_format: str | None = None) -> dict[str, Any]:
     """What a split's references hold, for its manifest's ``"references"``: the sample count, the fewest and
-    most reference answers of a sample, how many carry an image ``size``, and how an annotation file was
-    joined in (None without one). A scorer that needs more (m4c's ten TextVQA answers, CoIN's image sizes,
-    MCITlib's caption file: mcit.core.scorers.REQUIRES) refuses the split at pre-flight from these."""
+    most reference answers of a sample, how many carry an image ``size``, an ``image_name``, an ``answer_type``,
+    and how an annotation file was joined in (None without one). A scorer that needs more (m4c's ten TextVQA
+    answers, CoIN's image sizes, MCITlib's caption file: mcit.core.scorers.REQUIRES) refuses the split at
+    pre-flight from these."""
     counts = [len(r.get("answers") or [None]) for r in records]
     return {"samples": len(records), "answers_min": min(counts, default=0), "answers_max": max(counts, default=0),
-            "with_size": sum(1 for r in records if "size" in r), "annotations_format": annotations_format}
+            "with_size": sum(1 for r in records if "size" in r), "annotations_format": annotations_format,
+            **{f"with_{k}": sum(1 for r in records if k in r) for k in ("image_name", "answer_type")}}
 
 
 def write_instruction_split(directory: Path, samples: list[dict[str, Any]], *, shard_size: int,
@@ -92,7 +98,7 @@ def decode_instruction(sample: dict) -> tuple[Any, dict[str, Any], str]:
     question, answer = pairs[-1]
     out: dict[str, Any] = {"turns": pairs, "question": question, "answer": answer,
                            "answers": rec.get("answers") or [answer]}
-    for k in ("box", "size", "choices", "text_only"):
+    for k in SCORER_KEYS:
         if k in rec:
             out[k] = rec[k]
     if "id" in rec:

@@ -111,9 +111,14 @@ def answer_row(ref: dict[str, Any], pred: str, score: float, model_id: str) -> d
     model_vqa schema beside it (question_id, prompt, text, answer_id, model_id, metadata), so CoIN's
     evaluation scripts read our files as they are. question_id is the source record's id where the shards
     carry it (data_prep writes it), else the sample key; answer_id is the sample key (unique per run; the
-    LLaVA scripts draw a random one)."""
+    LLaVA scripts draw a random one). ``reference`` holds the answer and what else the scorer reads (a box, an
+    image size, an OCRBench category: mcit.data.instructions.SCORER_KEYS), so every score can be recomputed from
+    the row (``scorer(row["prediction"], {**row["reference"], "question": ..., "answers": ...})``)."""
+    from mcit.data.instructions import SCORER_KEYS
+
+    reference = {"answer": ref.get("answer"), **{k: ref[k] for k in SCORER_KEYS if k in ref}}
     return {"key": ref["key"], "question": ref["question"], "answers": ref["answers"], "prediction": pred,
-            "score": score, "question_id": ref.get("question_id", ref["key"]),
+            "score": score, "reference": reference, "question_id": ref.get("question_id", ref["key"]),
             "prompt": ref["question"].replace("<image>", "").strip(), "text": pred, "answer_id": ref["key"],
             "model_id": model_id, "metadata": {}}
 

@@ -72,3 +72,39 @@ def test_converted_instruction_sets_train(mcit_assets, tmp_path):
     cap = json.loads((row / "4.metrics.json").read_text())
     assert cap["scorer"] == "ucit_caption" and set(cap["metrics"]) >= {"CIDEr", "Bleu_4", "METEOR", "ROUGE_L"}
     assert abs(m["acc_matrix"][-1][4] - 100 * cap["score"]) < 1e-6
+
+
+def test_mllm_cl_tasks_train_and_are_scored_by_their_scripts(mcit_assets, tmp_path):
+    """One MLLM-DCL domain (Sci: its scorer reads the image's file name and the question) and one MLLM-ACL ability
+    (OCR: a list of answers and OCRBench's category) from their public layouts, converted, trained in one sequence
+    and scored by MLLM-CL's rules: each answer row's score is the scorer's on that row's prediction."""
+    from raw_formats import mllm_acl_raw, mllm_dcl_raw
+
+    from mcit.core import scorers as S
+
+    dcl, acl = mllm_dcl_raw(tmp_path / "raw"), mllm_acl_raw(tmp_path / "raw")
+    for args in (("mllm_dcl", "--instructions", dcl, "--task", "sci", "--out", tmp_path / "dcl"),
+                 ("mllm_acl", "--instructions", acl, "--task", "ocr", "--out", tmp_path / "acl")):
+        r = convert(*args)
+        assert r.returncode == 0, r.stderr
+        assert convert(args[0], "--verify", args[-1]).returncode == 0
+    cfg = mcit_config(mcit_assets, tmp_path, "mllm_cl", data={"tasks": [
+        {"name": n, "train": str(root / n / "train"), "test": str(root / n / "test")}
+        for n, root in (("sci", tmp_path / "dcl"), ("ocr", tmp_path / "acl"))]},
+        backbone={"chat_format": "vicuna_v1"},
+        train={"epochs": 1, "batch_size": 2, "lr": 0.05, "checkpoint_every": 2, "log_every": 2, "progress": False,
+               "deepspeed_config": "deepspeed_configs/cpu.json"},
+        eval={"zero_shot": False})
+    res = launch(["--config", str(cfg)], launcher="python")
+    assert res.returncode == 0, res.stderr[-3000:]
+    run = tmp_path / "runs" / "mllm_cl"
+    m = json.loads((run / "metrics.json").read_text())
+    assert m["complete"] and m["test_counts"] == [3, 3] and m["scorers"] == ["mllm_cl_sci", "mllm_cl_ocrbench"]
+    row = sorted(p for p in (run / "eval" / "answers").iterdir())[-1]
+    for i, name in enumerate(m["scorers"]):
+        rows = [json.loads(line) for line in (row / f"{i}.jsonl").read_text().splitlines()]
+        assert len(rows) == 3
+        for r in rows:
+            ref = {**r["reference"], "question": r["question"], "answers": r["answers"]}
+            assert r["score"] == S.get(name)(r["prediction"], ref)
+        assert abs(m["acc_matrix"][-1][i] - 100 * sum(r["score"] for r in rows) / 3) < 1e-9

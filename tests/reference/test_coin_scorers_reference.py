@@ -40,9 +40,9 @@ def test_grounding_table_sits_on_the_threshold_where_the_scaling_decides():
     assert 0 < sum(c["score"] for c in half) < len(half)  # both outcomes occur at the threshold
     flips = [c for c in half if c["score"] != c["unscaled_score"]]
     assert len(flips) >= 30
-    unscaled = [float(scorers.coin_iou(b, g) > 0.5) for c in flips
-                for b, g in [(scorers.coin_box(c["pred"]), [float(x) for x in c["answer_bbox"].strip("[]").split(",")])]]
-    assert unscaled == [c["unscaled_score"] for c in flips]  # the table's unscaled column: what skipping the scaling gives
+    gold = [[float(x) for x in c["answer_bbox"].strip("[]").split(",")] for c in flips]
+    unscaled = [float(scorers.coin_iou(scorers.coin_box(c["pred"]), g) > 0.5) for c, g in zip(flips, gold)]
+    assert unscaled == [c["unscaled_score"] for c in flips]  # the table's unscaled column: skipping the scaling
 
 
 def test_grounding_answer_forms_score_as_the_script_reads_them():

@@ -17,6 +17,8 @@ from raw_formats import (
     domainnet_raw,
     imagenet_r_raw,
     llava_mix_raw,
+    mllm_acl_raw,
+    mllm_dcl_raw,
     ucit_json_raw,
 )
 
@@ -242,7 +244,8 @@ def test_instruction_sets_convert_and_verify(tmp_path):
                                                         policy="sample")]
     assert g[0]["box"] == [0.1, 0.1, 0.9, 0.9] and g[0]["size"] == [32, 32]  # CoIN's scorer scales by max(size)
     assert test.manifest["references"] == {"samples": 3, "answers_min": 10, "answers_max": 10, "with_size": 0,
-                                           "annotations_format": "question_id"}
+                                           "annotations_format": "question_id", "with_image_name": 3,
+                                           "with_answer_type": 0}
     cap = open_split(out["ucit_json"] / "vizwiz_caption" / "test")
     assert cap.manifest["references"]["annotations_format"] == "coco_captions"
     caps = [decode_instruction(s)[1]["answers"] for s in iter_samples(cap, 0, 1, policy="sample")]
@@ -507,3 +510,41 @@ def test_data_prep_names_the_missing_key_and_keeps_images_inside_their_folder(tm
     (tmp_path / "x.json").write_text(json.dumps(recs[:1]))
     assert convert("llava_json", "--json", tmp_path / "x.json", "--images", images,
                    "--out", tmp_path / "o4").returncode == 0
+
+
+def test_mllm_cl_layouts_convert_verify_and_keep_what_their_scorers_read(tmp_path):
+    """MLLM-DCL (<Domain>/{train,test}.json, images under each domain) and MLLM-ACL (<Ability>/train.json,
+    <Ability>_test/test.json): every domain and the local abilities convert and verify, each test split
+    scored by its MLLM-CL script; Sci keeps the image's file name, OCR its list of answers and OCRBench
+    category, VP its task. Math and APP, which MLLM-CL does not score locally, are refused by name."""
+    from mcit.data.instructions import decode_instruction
+    from mcit.data.shards import iter_samples
+
+    dcl, acl = mllm_dcl_raw(tmp_path / "raw"), mllm_acl_raw(tmp_path / "raw")
+    r = convert("mllm_dcl", "--instructions", dcl, "--out", tmp_path / "dcl")
+    assert r.returncode == 0, r.stderr
+    scorers = {t: open_split(tmp_path / "dcl" / t / "test").manifest["scorer"]
+               for t in ("rs", "med", "ad", "sci", "fin")}
+    assert scorers == {"rs": "mllm_cl_ai2d", "med": "mllm_cl_pvqa", "ad": "mllm_cl_ai2d", "sci": "mllm_cl_sci",
+                       "fin": "mllm_cl_finvis"}
+    assert convert("mllm_dcl", "--verify", tmp_path / "dcl").returncode == 0
+    sci = [decode_instruction(s)[1] for s in iter_samples(open_split(tmp_path / "dcl" / "sci" / "test"), 0, 1,
+                                                          policy="sample")]
+    assert [r["image_name"] for r in sci] == ["images/AI2D_0000.png", "images/MapQA_0001.png", "images/AI2D_0002.png"]
+    assert sci[1]["question"] == "<image>\nWhich states have a value lower than 100?"  # CoIN-style: <image> added
+
+    r = convert("mllm_acl", "--instructions", acl, "--out", tmp_path / "acl")
+    assert r.returncode == 0 and "math: not converted" in r.stderr and "app: not converted" in r.stderr
+    ocr = [decode_instruction(s)[1] for s in iter_samples(open_split(tmp_path / "acl" / "ocr" / "test"), 0, 1,
+                                                          policy="sample")]
+    assert ocr[0]["answers"] == ["STOP", "stop sign"] and ocr[0]["answer"] == "STOP"
+    assert ocr[1]["answer_type"] == "Handwritten Mathematical Expression Recognition"
+    vp = open_split(tmp_path / "acl" / "vp" / "test")
+    assert [decode_instruction(s)[1]["task"] for s in iter_samples(vp, 0, 1, policy="sample")] == ["Count", "Depth"]
+    assert convert("mllm_acl", "--verify", tmp_path / "acl").returncode == 0
+    r = convert("mllm_acl", "--instructions", acl, "--out", tmp_path / "acl_math", "--task", "math")
+    assert r.returncode == 2 and "task 'math'" in r.stderr and "MathVista" in r.stderr
+    assert not (tmp_path / "acl_math").exists()
+    (dcl / "Med" / "images" / "med_0001.png").unlink()  # images live in the domain folder: a missing one is named
+    r = convert("mllm_dcl", "--instructions", dcl, "--task", "med", "--out", tmp_path / "dcl2")
+    assert r.returncode == 2 and "med_train_1" in r.stderr and "med_0001.png" in r.stderr

@@ -515,15 +515,17 @@ def test_preflight_refuses_a_split_without_what_its_scorer_reads(mcit_assets, tm
                   tmp_path / "bare"),
                  ("coin", "--task", "textvqa", "--annotations", f"textvqa={raw / 'TextVQA_val.json'}", "--out",
                   tmp_path / "full"),
-                 ("ucit", "--instructions", uj, "--images", uj / "datasets", "--task", "vizwiz_caption", "--annotations",
-                  f"vizwiz_caption={uj / 'VizWiz' / 'test_captions_coco.json'}", "--out", tmp_path / "full")):
+                 ("ucit", "--instructions", uj, "--images", uj / "datasets", "--task", "vizwiz_caption",
+                  "--annotations", f"vizwiz_caption={uj / 'VizWiz' / 'test_captions_coco.json'}", "--out",
+                  tmp_path / "full")):
         base = [] if "--instructions" in args else ["--instructions", ins, "--images", raw / "images"]
         r = convert(args[0], *base, *args[1:])
         assert r.returncode == 0, r.stderr
 
     def config(root, task):
+        split = tmp_path / root / task
         return mcit_config(mcit_assets, tmp_path, f"{root}_{task}", data={"tasks": [
-            {"name": task, "train": str(tmp_path / root / task / "train"), "test": str(tmp_path / root / task / "test")}]})
+            {"name": task, "train": str(split / "train"), "test": str(split / "test")}]})
 
     expect = {"textvqa": "--annotations textvqa=TextVQA_0.5.1_val.json", "grounding": "have no 'size'",
               "vizwiz_caption": "--annotations vizwiz_caption=<the COCO caption file>"}
