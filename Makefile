@@ -22,7 +22,8 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -qq --disable-pip-version-check torch==2.13.0
-	$(BIN)/pip install -qq --disable-pip-version-check -e ".[test]" torch==2.13.0
+	$(BIN)/pip install -qq --disable-pip-version-check -e ".[test,lmms]" torch==2.13.0
+	$(BIN)/pip install -qq --disable-pip-version-check --no-deps lmms-eval==0.7.3
 	touch $@
 
 # Data and backbones are file targets: each is rebuilt only when the code that determines its bytes is newer

@@ -2,6 +2,7 @@
 
     python pipelines/evaluate.py --run runs/X [--task-checkpoint K [K ...] | all] [--zero-shot]
                                  [--tasks NAME ...] [--batch-size B] [--write-rows]
+    python pipelines/evaluate.py --run runs/X --lmms-eval TASK ... [--lmms-include DIR] [--zero-shot] [...]
     deepspeed --num_gpus 2 pipelines/evaluate.py --run runs/X ...   (or torchrun / srun: sharded; or mcit-evaluate)
 
 Loads the run's own config (``RUN_DIR/config.yaml``) and the consolidated export of task K
@@ -12,7 +13,8 @@ instruction tasks, the answers under ``eval/evaluate/answers/after_task_K/``). T
 state (state.json, checkpoints, the accuracy-matrix rows) is not touched, except with
 ``--write-rows``: then each evaluated row (all tasks) is written as ``eval/after_task_K.json`` and
 metrics.json / report.md are recomputed, which fills in rows a run lost or never wrote.
-Default: the last exported checkpoint.
+Default: the last exported checkpoint. ``--lmms-eval TASKS`` scores general ability instead: lmms-eval's task
+definitions answered by the checkpoint (mcit.run.general_ability), rows under ``eval/general/``.
 """
 
 from __future__ import annotations
@@ -40,6 +42,13 @@ def _main(argv: list[str] | None) -> int:
     ap.add_argument("--batch-size", type=int, default=None, help="eval batch size (results do not depend on it)")
     ap.add_argument("--write-rows", action="store_true",
                     help="store the rows as the run's accuracy-matrix rows and recompute metrics.json")
+    ap.add_argument("--lmms-eval", nargs="+", default=None, metavar="TASK",
+                    help="lmms-eval tasks (general ability) instead of the run's own: rows under eval/general/, "
+                         "a table in report.md (one process; needs the lmms extra)")
+    ap.add_argument("--lmms-include", nargs="+", type=Path, default=[], metavar="DIR",
+                    help="folders of lmms-eval task files (e.g. a task over local data); without one, lmms-eval's "
+                         "own tasks")
+    ap.add_argument("--lmms-limit", type=int, default=None, help="the first N questions of each lmms-eval task")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     from mcit.core.distributed import default_accelerator
@@ -88,6 +97,25 @@ def _main(argv: list[str] | None) -> int:
                 return common.fail(f"--tasks: unknown task {t!r}; the run has {', '.join(names)}")
     if args.write_rows and tasks != list(range(len(names))):
         return common.fail("--write-rows needs every task evaluated (leave out --tasks)")
+    if args.lmms_eval is not None:
+        if args.tasks is not None or args.write_rows:
+            return common.fail("--lmms-eval evaluates lmms-eval's tasks: leave out --tasks and --write-rows")
+        from mcit.run.general_ability import LmmsEvalError, evaluate_general, import_lmms
+
+        try:
+            import_lmms()
+        except LmmsEvalError as e:
+            return common.fail(str(e))
+        try:
+            rows = evaluate_general(plan, ks, args.lmms_eval, zero_shot=args.zero_shot, include=args.lmms_include,
+                                    limit=args.lmms_limit)
+        except LmmsEvalError as e:
+            return common.fail(str(e))
+        except Exception as e:  # noqa: BLE001 - mapped to one line and an exit code (mcit.cli.common)
+            return common.after_launch(e, plan.run_dir)
+        for tag, res in rows:
+            print(f"{tag}: " + "  ".join(f"{t} {m}={v:.4g}" for t, ms in res.items() for m, v in ms.items()))
+        return 0
     from mcit.run.evaluate_only import evaluate_checkpoints
 
     try:

@@ -140,3 +140,33 @@ def report_markdown(name: str, method: str, backbone: str, tasks: list[str], cou
     return (f"# {name}\n\nmethod: `{method}` · backbone: `{backbone}`{sha} · test samples per task: {counts}\n\n"
             f"## Accuracy matrix (%)\n\n{head}{table}\n![accuracy matrix]({heatmap_file})\n\n"
             f"## Metrics\n\n| metric | value |\n|---|---|\n{metric_rows}")
+
+
+def general_rows(eval_dir: Path) -> list[tuple[str, dict[str, dict[str, float]]]]:
+    """The general-ability rows a run holds (``eval/general/<row>.json``, written by mcit.run.general_ability):
+    zero-shot first, then by task."""
+    import json
+
+    where = eval_dir / "general"
+    if not where.is_dir():
+        return []
+    found = []
+    for f in where.glob("*.json"):
+        d = json.loads(f.read_text())
+        k = d.get("checkpoint")
+        found.append((-1 if k is None else int(k), f.stem, d.get("results") or {}))
+    return [(tag, res) for _, tag, res in sorted(found)]
+
+
+def general_markdown(rows: list[tuple[str, dict[str, dict[str, float]]]]) -> str:
+    """report.md's general-ability table: one row per evaluated state, one column per task and metric."""
+    if not rows:
+        return ""
+    cols = sorted({(t, m) for _, res in rows for t, ms in res.items() for m in ms})
+    head = "| row | " + " | ".join(f"{t} {m}" for t, m in cols) + " |\n|---|" + "---|" * len(cols) + "\n"
+    body = "".join(f"| {tag.replace('_', ' ')} | "
+                   + " | ".join(f"{res[t][m]:.4g}" if t in res and m in res[t] else "n/a" for t, m in cols)
+                   + " |\n" for tag, res in rows)
+    return ("\n## General ability (lmms-eval)\n\nThe base model's general ability through the sequence: lmms-eval's "
+            "numbers (its metrics' own scale) for the zero-shot state and after each evaluated task "
+            "(`mcit-evaluate --lmms-eval`).\n\n" + head + body)

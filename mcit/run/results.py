@@ -40,12 +40,15 @@ def write_metrics(plan: Plan, done: int) -> dict[str, Any]:
     if plan.auxiliary:  # a method's other frozen models (STAR-Prompt's CLIP), like the backbone
         out["auxiliary_backbones"] = {name: {k: aux.record.get(k) for k in ("tag", "format", "sha256")}
                                       for name, aux in plan.auxiliary.items()}
+    general = M.general_rows(rd.eval_dir())  # lmms-eval's numbers per evaluated state (mcit-evaluate --lmms-eval)
+    if general:
+        out["general_ability"] = dict(general)
     write_json(rd.metrics, out)
     if done == T:
         M.heatmap(rd.heatmap, plan.names, acc, f"{cfg.name} ({cfg.method.name})", rows=plan.stage_names)
         report = M.report_markdown(cfg.name, cfg.method.name, cfg.backbone.tag, plan.names, counts, acc, zs, m,
                                    out["backbone_sha256"], heatmap_file=rd.heatmap.name, rows=plan.stage_names)
-        atomic_write_text(rd.report, report)
+        atomic_write_text(rd.report, report + M.general_markdown(general))
     return out
 
 

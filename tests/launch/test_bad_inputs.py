@@ -261,6 +261,10 @@ def build_case(case: str, assets, work: Path, cfg: Path, done: Path, open_dir: P
         return ev(["--run", str(done), "--tasks", "task7"], "unknown task 'task7'")
     if case == "evaluate_write_rows_subset":
         return ev(["--run", str(done), "--tasks", "task0", "--write-rows"], "--write-rows needs every task")
+    if case == "evaluate_lmms_unknown_task":  # checked before any model loads or process group starts
+        (work / "lmms_none").mkdir(exist_ok=True)
+        return ev(["--run", str(done), "--lmms-eval", "no_such_task", "--lmms-include", str(work / "lmms_none")],
+                  "--lmms-eval: unknown task 'no_such_task'", also=[str(work / "lmms_none")])
     if case == "evaluate_batch_size_0":
         return ev(["--run", str(done), "--batch-size", "0"], "--batch-size must be at least 1, got 0")
     # -- raw data-prep files -------------------------------------------------------------------------------
@@ -340,7 +344,7 @@ CASES = [
     "sample_label_of_another_task",
     "missing_backbone", "backbone_without_config", "backbone_broken_config", "backbone_broken_weights",
     "evaluate_not_a_run", "evaluate_no_checkpoint", "evaluate_bad_checkpoint_arg", "evaluate_unknown_task",
-    "evaluate_write_rows_subset", "evaluate_batch_size_0", "cifar_missing_fine_labels", "cifar_missing_raw",
+    "evaluate_write_rows_subset", "evaluate_batch_size_0", "evaluate_lmms_unknown_task", "cifar_missing_fine_labels", "cifar_missing_raw",
     "cifar_not_a_pickle", "llava_json_outside_images", "llava_json_not_json",
 ]
 

@@ -110,3 +110,63 @@ def test_lora_family_rebuilt_between_tasks_trains_from_its_loaded_state(mcit_ass
         assert got["trained"] == [True, True, True] and got["starts_from_loaded"] == [True, True], (name, got)
     # how many earlier-task blocks each task kept bit-identical (-1: one moved): 4 projections x A, B per task
     assert res["olora"]["frozen_kept"] == [0, 8, 16], res["olora"]
+
+
+def _local_lmms_task(shards, where):
+    """An lmms-eval task over local files (no hub): the count task's test questions, their images as PNG files
+    (the shard's own bytes), the question without "<image>" (lmms-eval's convention: the model places the image),
+    scored by the pipeline's exact_match in the task's own process_results."""
+    from mcit.data.instructions import turns
+    from mcit.data.shards import iter_samples, open_split
+
+    (where / "images").mkdir(parents=True)
+    docs = []
+    for s in iter_samples(open_split(shards / "count" / "test"), 0, 1, policy="sample"):
+        rec = json.loads(s["json"])
+        q, a = turns(rec["conversations"], s["__key__"])[-1]
+        (where / "images" / f"{s['__key__']}.png").write_bytes(s["png"])
+        docs.append({"key": s["__key__"], "image": f"images/{s['__key__']}.png",
+                     "question": q.replace("<image>\n", ""), "answer": a, "answers": rec.get("answers") or [a]})
+    (where / "docs.json").write_text(json.dumps(docs))
+    (where / "utils.py").write_text(
+        "import os\nfrom PIL import Image\nfrom mcit.core import scorers\n"
+        "HERE = os.path.dirname(os.path.abspath(__file__))\n"
+        "def doc_to_visual(doc):\n    return [Image.open(os.path.join(HERE, doc['image'])).convert('RGB')]\n"
+        "def doc_to_text(doc, lmms_eval_specific_kwargs=None):\n    return doc['question']\n"
+        "def process_results(doc, results):\n"
+        "    ref = {'answer': doc['answer'], 'answers': doc['answers']}\n"
+        "    return {'exact_match': scorers.exact_match(results[0], ref)}\n")
+    (where / "mcit_count.yaml").write_text(
+        "task: mcit_count\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: docs.json\n"
+        "test_split: test\noutput_type: generate_until\ndoc_to_visual: !function utils.doc_to_visual\n"
+        "doc_to_text: !function utils.doc_to_text\ndoc_to_target: answer\n"
+        "process_results: !function utils.process_results\n"
+        "generation_kwargs:\n  max_new_tokens: 3\n  do_sample: false\n  until: [\"\\n\\n\"]\n"
+        "metric_list:\n  - metric: exact_match\n    aggregation: mean\n    higher_is_better: true\n"
+        "metadata:\n  version: 0.1\n")
+    return docs
+
+
+def test_lmms_eval_adapter_answers_as_the_pipeline_s_own_evaluation(z3_run, mcit_assets, tmp_path):
+    """``mcit-evaluate --lmms-eval`` on the finished ZeRO-3 run, through lmms-eval's own task machinery over a local
+    task holding the count task's test questions: the zero-shot state and the checkpoint after task 1 give, question
+    by question, the predictions the run's own evaluation wrote (25% and 33% right: neither trivial nor equal), and
+    lmms-eval's aggregate equals the run's row; report.md and metrics.json gain the general-ability rows."""
+    run = z3_run / "runs" / "z3"
+    docs = _local_lmms_task(mcit_assets["shards"], tmp_path / "lmms_tasks" / "mcit_count")
+    r = launch(["--run", str(run), "--lmms-eval", "mcit_count", "--lmms-include", str(tmp_path / "lmms_tasks"),
+                "--zero-shot", "--task-checkpoint", "1"], entry=EVALUATE)
+    assert r.returncode == 0, r.stderr[-3000:]
+    metrics = json.loads((run / "metrics.json").read_text())
+    for tag, own_row in (("zero_shot", metrics["zero_shot"]), ("after_task_1", metrics["acc_matrix"][1])):
+        own = {x["key"]: x["prediction"] for x in map(json.loads, (run / "eval" / "answers" / tag / "1.jsonl")
+                                                      .read_text().splitlines())}
+        got = [json.loads(x) for x in (run / "eval" / "general" / f"{tag}.samples.jsonl").read_text().splitlines()]
+        assert len(got) == len(docs) == len(own) == 24
+        assert {docs[g["doc_id"]]["key"]: g["prediction"] for g in got} == own
+        result = json.loads((run / "eval" / "general" / f"{tag}.json").read_text())["results"]["mcit_count"]
+        assert 100 * result["exact_match"] == pytest.approx(own_row[1], abs=1e-9)
+    assert 0 < metrics["zero_shot"][1] != metrics["acc_matrix"][1][1] > 0  # the two states differ, neither is 0
+    assert set(metrics["general_ability"]) == {"zero_shot", "after_task_1"}
+    report = (run / "report.md").read_text()
+    assert "## General ability (lmms-eval)" in report and "| zero shot |" in report and "| after task 1 |" in report
