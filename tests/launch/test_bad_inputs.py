@@ -344,7 +344,8 @@ CASES = [
     "sample_label_of_another_task",
     "missing_backbone", "backbone_without_config", "backbone_broken_config", "backbone_broken_weights",
     "evaluate_not_a_run", "evaluate_no_checkpoint", "evaluate_bad_checkpoint_arg", "evaluate_unknown_task",
-    "evaluate_write_rows_subset", "evaluate_batch_size_0", "evaluate_lmms_unknown_task", "cifar_missing_fine_labels", "cifar_missing_raw",
+    "evaluate_write_rows_subset", "evaluate_batch_size_0", "evaluate_lmms_unknown_task", "cifar_missing_fine_labels",
+    "cifar_missing_raw",
     "cifar_not_a_pickle", "llava_json_outside_images", "llava_json_not_json",
 ]
 
