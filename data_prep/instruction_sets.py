@@ -48,6 +48,7 @@ class TaskPreset:
     test_file: str = "test"  # the stem of the file the benchmark's own evaluation reads as the test split
     test_folder: str = ""    # the test file's folder when not ``folder`` (MLLM-ACL's <Ability>_test)
     images_here: bool = False  # image paths are relative to the split file's folder (MLLM-CL), not --images
+    needs_annotations: str = ""  # why the test split cannot be converted without --annotations TASK=FILE
 
 
 # CoIN's evaluation scripts (zackschen/CoIN scripts/LLaVA/Eval/*.sh) read val.json for TextVQA, VizWiz and VQAv2
@@ -74,10 +75,12 @@ MLLM_DCL = [TaskPreset("rs", "RS", "mllm_cl_ai2d", images_here=True),
 # MLLM-ACL: <Ability>/train.json and <Ability>_test/test.json. Its Math (a GPT judge over MathVista's table) and
 # APP (MMT-Bench's evaluation server) have no local rule; MLLM_ACL_EXTERNAL says so when they are asked for.
 MLLM_ACL = [TaskPreset("ocr", "OCR", "mllm_cl_ocrbench", test_folder="OCR_test", images_here=True),
+            TaskPreset("math", "Math", "mllm_cl_math", test_folder="Math_test", images_here=True,
+                       needs_annotations="MLLM-ACL Math's answers are in MathVista's table (MLLM-CL's "
+                                         "llava_v1.5_7b_MathVista_MINI.xlsx, or VLMEvalKit's MathVista_MINI.tsv): "
+                                         "pass --annotations math=<that file>"),
             TaskPreset("vp", "VP", "mllm_cl_vp", test_folder="VP_test", images_here=True)]
 MLLM_ACL_EXTERNAL = {
-    "math": "MLLM-ACL Math is scored by a GPT judge against MathVista's answer table (eval_math.py), which "
-            "this converter does not read yet",
     "app": "MLLM-ACL APP is scored by MMT-Bench's evaluation server (convert_result_to_submission.py), not locally"}
 
 
@@ -158,7 +161,51 @@ def load_annotations(path: Path) -> Annotations:
     return _LOADED[key]
 
 
+MATHVISTA_KEY = "row:"  # a MathVista answer table's rows by their 0-based label (MLLM-CL's testmini_<n>)
+MATHVISTA_COLUMNS = ("question", "answer", "question_type", "answer_type")
+
+
+def load_mathvista_table(path: Path) -> Annotations:
+    """MathVista's testmini answer table as MLLM-CL's eval_math.py reads it: its repository's
+    llava_v1.5_7b_MathVista_MINI.xlsx (VLMEvalKit's export; reading .xlsx needs openpyxl) or VLMEvalKit's
+    MathVista_MINI.tsv. model_math.py writes the answer to question ``testmini_<n>`` into row label n (the
+    0-based row), so rows are keyed by that label; each keeps what the judged scorer reads."""
+    import ast
+
+    import pandas as pd
+
+    try:
+        if path.suffix.lower() == ".xlsx":
+            df = pd.read_excel(path)
+        else:
+            df = pd.read_csv(path, sep="\t")
+    except ImportError as e:
+        raise DataError(f"cannot read {path}: {e} (pip install openpyxl, or pass VLMEvalKit's MathVista_MINI.tsv)") \
+            from None
+    except Exception as e:  # noqa: BLE001 - pandas raises many types; one line names the file
+        raise DataError(f"cannot read {path}: {e.__class__.__name__}: {e}") from None
+    missing = [c for c in MATHVISTA_COLUMNS if c not in df.columns]
+    if missing:
+        raise DataError(f"{path}: not a MathVista answer table (no column {missing[0]!r})")
+    out = Annotations()
+    out.format = "mathvista"
+
+    def cell(v: Any) -> str | None:
+        return None if v is None or (isinstance(v, float) and v != v) else str(v)
+
+    for label, row in df.iterrows():
+        choices = cell(row.get("choices"))
+        out[f"{MATHVISTA_KEY}{label}"] = {
+            "answer": cell(row["answer"]), "judge_question": cell(row["question"]) or "",
+            "question_type": cell(row["question_type"]), "answer_type": cell(row["answer_type"]),
+            "answer_option": cell(row.get("answer_option")),
+            "choices": [str(c) for c in ast.literal_eval(choices)] if choices else None}
+    return out
+
+
 def _load_annotations(path: Path) -> Annotations:
+    if path.suffix.lower() in (".xlsx", ".tsv"):
+        return load_mathvista_table(path)
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -186,6 +233,27 @@ def _load_annotations(path: Path) -> Annotations:
             raise RecordError(key.removeprefix(IMAGE_KEY), path, f"duplicate {what} in the annotation file")
         out[key] = rec
     return out
+
+
+def mathvista_row(rid: str, text: str, where: Path, table: dict[str, dict]) -> dict:
+    """The answer-table row of MLLM-ACL Math question ``testmini_<n>``: row label n, as model_math.py writes it.
+    Its question must be the record's (whitespace aside): a table that is not the test file's, or ids counted
+    from another base, would otherwise score every answer against another question's."""
+    n = rid.removeprefix("testmini_")
+    if not n.isdigit():
+        raise RecordError(rid, where, "MLLM-ACL Math ids are testmini_<n> (the answer table's row n)")
+    row = table.get(f"{MATHVISTA_KEY}{int(n)}")
+    if row is None:
+        raise RecordError(rid, where, f"the answer table has no row {int(n)}")
+
+    def squash(t: str) -> str:
+        return " ".join(t.split())
+
+    q, t = squash(row["judge_question"]), squash(text)
+    if not q or (q not in t and t not in q):
+        raise RecordError(rid, where, f"the answer table's row {int(n)} asks another question ({q[:60]!r}); "
+                                      f"MLLM-CL joins testmini_<n> to row n")
+    return row
 
 
 def record_reference(item: dict, where: Path, annotations: dict[str, dict] | None,
@@ -221,6 +289,10 @@ def record_reference(item: dict, where: Path, annotations: dict[str, dict] | Non
                 if name and isinstance(item.get("image"), str) and Path(name).name != Path(item["image"]).name:
                     raise RecordError(rid, where, f"the caption file's image_id {position + 1} is {name!r}, the "
                                                   f"record's image {item['image']!r} (the files are out of order)")
+            if annotations is not None and getattr(annotations, "format", "") == "mathvista":
+                ann = mathvista_row(rid, str(item.get("text", item.get("question"))), where, annotations)
+                extra.update({k: v for k, v in ann.items() if k != "answer" and v is not None})
+                ans = ann["answer"]
             if annotations is not None and ann is None:
                 raise RecordError(rid, where, "neither its question_id nor its image is in the annotation file")
             if ann is not None:
@@ -463,6 +535,13 @@ def benchmark_main(benchmark: str, presets: list[TaskPreset], doc: str, argv: li
             if not f or task.lower() not in by_name:
                 raise DataError(f"--annotations {a!r}: expected TASK=FILE with a task of {benchmark}")
             ann[by_name[task.lower()].name] = Path(f)
+        for t in list(names):
+            preset = by_name[t.lower()]
+            if preset.needs_annotations and preset.name not in ann:
+                if args.task != ["all"]:
+                    raise DataError(f"task {t!r}: {preset.needs_annotations}")
+                print(f"{preset.name}: not converted ({preset.needs_annotations})", file=sys.stderr)
+                names.remove(t)
         todo = []  # every file is found and every record checked before anything is written
         for t in names:
             preset = by_name[t.lower()]

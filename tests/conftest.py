@@ -337,7 +337,7 @@ def check_aggregate_against_runs(sweep_dir: Path, expected_points: int, ddof: in
     for g in agg["groups"]:
         ms = by_group[(g["config"], json.dumps(g["setting"], sort_keys=True))]
         assert g["n"] == len(ms) and g["n_failed"] == 0
-        for k in ("final_avg_acc", "avg_incremental_acc", "forgetting", "bwt"):
+        for k in ("final_avg_acc", "avg_incremental_acc", "forgetting", "bwt", "mft", "mfn", "maa"):
             vals = np.array([m[k] for m in ms])
             assert abs(g["metrics"][k]["mean"] - vals.mean()) < 1e-9
             assert abs(g["metrics"][k]["std"] - vals.std(ddof=ddof)) < 1e-9

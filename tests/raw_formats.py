@@ -336,11 +336,14 @@ def mllm_acl_raw(root):
                  "answer": "(A)", "type": "2D", "task": "Count"},
                 {"text": "Which is closer to the camera?\n(A) the chair\n(B) the table", "answer": "(B)",
                  "type": "3D", "task": "Depth"}]),
-        "Math": ([("What is 2 + 3?", "5")], [{"text": "Hint: ...\nQuestion: What is 2 + 3?"}]),
+        "Math": ([("What is 2 + 3?", "5"), ("Which angle is marked?\n(A) 30°\n(B) 60°", "B")],
+                 [{"text": q} for q, *_ in MATHVISTA_ROWS]),
         "APP": ([("Which element opens settings?\nA. gear\nB. bell", "A")],
                 [{"text": "Which element?", "answer": "A"}]),
     }
     for ability, (train_pairs, test_recs) in data.items():
+        if ability == "Math":  # MathVista's ids: testmini_<n> is row n of the answer table
+            test_recs = [dict(r, question_id=f"testmini_{n}") for n, r in enumerate(test_recs)]
         tr, te = root / ability, root / f"{ability}_test"
         tr_names = [f"{ability.lower()}_{n:04d}.jpg" for n in range(len(train_pairs))]
         te_names = [f"{ability.lower()}_test_{n:04d}.jpg" for n in range(len(test_recs))]
@@ -353,4 +356,22 @@ def mllm_acl_raw(root):
                 for n, rec in enumerate(test_recs)]
         (tr / "train.json").write_text(json.dumps(train))
         (te / "test.json").write_text(json.dumps(test))
+    header = ["index", "question", "choices", "answer", "answer_option", "question_type", "answer_type"]
+    lines = ["\t".join(header)] + ["\t".join([str(n + 1), q.replace("\n", "\\n"), ch, a, opt, qt, at])
+                                   for n, (q, ch, a, opt, qt, at) in enumerate(MATHVISTA_ROWS)]
+    (root / "MathVista_MINI.tsv").write_text("\n".join(lines) + "\n")
     return root
+
+
+# MathVista answer-table rows (question, choices, answer, answer_option, question_type, answer_type), as VLMEvalKit's
+# MathVista_MINI.tsv has them: a multiple-choice question, an integer and a float one
+MATHVISTA_ROWS = [
+    ("Hint: Please answer the question and provide the correct option letter, e.g., A, B, C, D, at the end. "
+     "Question: Which angle is marked? Choices: (A) 135° (B) 140° (C) 145° (D) 150°",
+     "['135°', '140°', '145°', '150°']", "145°", "C", "multi_choice", "text"),
+    ("Hint: Please answer the question requiring an integer answer and provide the final value, e.g., 1, 2, 3, at "
+     "the end. Question: How many shapes are there?", "", "5", "", "free_form", "integer"),
+    ("Hint: Please answer the question requiring a floating-point number with one decimal place and provide the "
+     "final value, e.g., 1.2, 1.3, 1.4, at the end. Question: How long is the bar?", "", "1.5", "", "free_form",
+     "float"),
+]

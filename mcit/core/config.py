@@ -79,6 +79,9 @@ class TaskSpec(_Strict):
     scorer: str | None = Field(None, description="instruction tasks: overrides the manifest's scorer")
     epochs: int | None = Field(None, ge=1, description="this task's training epochs (default: train.epochs); "
                                                        "MLLM-DCL's official scripts give each domain its own")
+    max_new_tokens: int | None = Field(None, ge=1, description="this task's generation cap (default: "
+                                                               "eval.max_new_tokens); MLLM-ACL's scripts give "
+                                                               "each ability its own")
 
 
 class DataConfig(_Strict):
@@ -222,8 +225,17 @@ class TrainConfig(_Strict):
         return self
 
 
+class JudgeConfig(_Strict):
+    """The local model that judge-based scorers ask (mcit.core.judge: MLLM-ACL Math's answer extraction)."""
+
+    path: str | None = Field(None, description="a transformers causal-LM directory (MLLM-CL asks gpt-4o-mini)")
+    max_new_tokens: int = Field(128, ge=1, description="the judge's reply cap (128 as MLLM-CL's build_judge)")
+    batch_size: int = Field(8, ge=1)
+
+
 class EvalConfig(_Strict):
     batch_size: int = Field(64, ge=1)
+    judge: JudgeConfig = Field(default_factory=JudgeConfig)
     zero_shot: bool = Field(True, description="evaluate the untrained method first (the forward-transfer baseline)")
     max_new_tokens: int = Field(16, ge=1, description="generation cap for instruction tasks")
     mask_unseen_classes: bool = Field(
@@ -282,6 +294,12 @@ class RunConfig(_Strict):
         own = None if isinstance(spec, str) else spec.epochs
         return own or self.train.epochs
 
+    def task_max_new_tokens(self, task: int) -> int:
+        """Generation cap of task ``task`` (its own ``max_new_tokens`` where the task spec gives one)."""
+        spec = self.data.tasks[task]
+        own = None if isinstance(spec, str) else spec.max_new_tokens
+        return own or self.eval.max_new_tokens
+
     def resolved_run_dir(self) -> Path:
         return Path(self.run_dir) if self.run_dir else Path("runs") / self.name
 
@@ -311,6 +329,7 @@ class RunConfig(_Strict):
         c.backbone.tokenizer = absolute(c.backbone.tokenizer, only_existing=True)
         c.backbone.cache_dir = absolute(c.backbone.cache_dir)
         c.train.deepspeed_config = absolute(c.train.deepspeed_config, only_existing=True)
+        c.eval.judge.path = absolute(c.eval.judge.path, only_existing=True)
         # a method's own input paths (STAR-Prompt's CLIP): its Params fields marked json_schema_extra input_path
         from mcit.core.registry import METHODS
 

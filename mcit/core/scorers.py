@@ -108,6 +108,15 @@ def _ocr_categories(refs: dict[str, Any], task: str) -> str | None:
             "none: convert MLLM-ACL's OCR_test/test.json with data_prep.mllm_acl")
 
 
+@requires("mllm_cl_math")
+def _mathvista_table(refs: dict[str, Any], task: str) -> str | None:
+    if refs.get("annotations_format") == "mathvista":
+        return None
+    return (f"scorer mllm_cl_math reads each question's row of MathVista's answer table (its type, options and "
+            f"answer), and this split was converted without it: convert MLLM-ACL's Math_test/test.json with "
+            f"--annotations {task}=llava_v1.5_7b_MathVista_MINI.xlsx")
+
+
 def get(name: str) -> Scorer:
     if name not in SCORERS:
         raise KeyError(f"unknown scorer {name!r}; known: {', '.join(sorted(SCORERS))}")

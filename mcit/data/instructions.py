@@ -31,7 +31,8 @@ from mcit.data.shards import DataError, write_split
 
 IMAGE_EXTS = ("png", "jpg", "jpeg")
 # what a scorer may read beside the answers: an OCRBench category, MLLM-CL VP's task, the image's file name
-SCORER_KEYS = ("box", "size", "choices", "text_only", "image_name", "answer_type", "task", "type", "question_type")
+SCORER_KEYS = ("box", "size", "choices", "text_only", "image_name", "answer_type", "task", "type", "question_type",
+               "answer_option", "judge_question")
 RECORD_KEYS = ("conversations", "answers", "id", *SCORER_KEYS)
 
 

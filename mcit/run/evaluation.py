@@ -47,10 +47,10 @@ def evaluate_row(host: Host, *, trained: int, answers_dir: Path, tasks: list[int
         scorers = [plan.scorers[i] for i in tasks]
         res = evaluate_generation(method, tests, batch_size=cfg.eval.batch_size, policy=cfg.data.split,
                                   collates=collates, loader=plan.loader, scorers=scorers,
-                                  max_new_tokens=cfg.eval.max_new_tokens,
+                                  max_new_tokens=[cfg.task_max_new_tokens(i) for i in tasks],
                                   answers_dir=answers_dir, progress=cfg.train.progress, desc=desc, file_ids=tasks,
                                   model_id=cfg.backbone.tag if cfg.backbone.tag != "local"
-                                  else Path(cfg.backbone.path).name)
+                                  else Path(cfg.backbone.path).name, judge=cfg.eval.judge)
         return {"score_sum": [c for c, _ in res], "total": [n for _, n in res],
                 "acc": [100.0 * c / max(n, 1) for c, n in res], "scorers": scorers}
     allowed = None
@@ -125,17 +125,20 @@ def answer_row(ref: dict[str, Any], pred: str, score: float, model_id: str) -> d
 
 @torch.no_grad()
 def evaluate_generation(method: Method, splits: list[Split], *, batch_size: int, policy: str,
-                        collates: list[Callable], scorers: list[str], max_new_tokens: int,
+                        collates: list[Callable], scorers: list[str], max_new_tokens: int | list[int],
                         loader: LoaderOptions = LoaderOptions(),
                         answers_dir: Any | None = None, progress: bool = False,
                         desc: str = "eval", file_ids: list[int] | None = None,
-                        model_id: str = "mcit") -> list[tuple[float, int]]:
+                        model_id: str = "mcit", judge: Any | None = None) -> list[tuple[float, int]]:
     """(summed score, count) per split. Each rank generates for its part of every split; the answers
     are gathered to rank 0, which writes ``answers_dir/<task index>.jsonl`` (``answer_row``) sorted by key,
     so scores can be recomputed without the model. A corpus scorer (mcit.core.caption_metrics: CIDEr, MCITlib's
     caption average) scores the gathered answers once (rows carry ``score: null``; the task's number and
-    every metric go to ``<task index>.metrics.json``); its summed score is the corpus value x count.
-    ``file_ids``: the task index of each split (default its position)."""
+    every metric go to ``<task index>.metrics.json``); its summed score is the corpus value x count. A judged
+    scorer (mcit.core.judge: MLLM-ACL Math) scores the gathered answers on rank 0 with the local judge model of
+    ``judge`` (eval.judge), loaded once when a row needs it; each row keeps the judge's reply.
+    ``file_ids``: the task index of each split (default its position); ``max_new_tokens``: one cap, or one per
+    split."""
     import json
 
     from mcit.core import caption_metrics as C
@@ -151,12 +154,26 @@ def evaluate_generation(method: Method, splits: list[Split], *, batch_size: int,
 
         bar = tqdm(total=sum(s.num_samples for s in splits), desc=desc, unit="sample", leave=False,
                    dynamic_ncols=True, mininterval=0.5 if sys.stderr.isatty() else 10.0)
+    from mcit.core import judge as J
+
+    judged = [name in J.JUDGED for name in scorers]
+    local_judge: list[Any] = []  # loaded on rank 0 at the first judged task
+
+    def judge_rows(name: str, rows: list[dict]) -> list[dict]:
+        def generate(prompts: list[str]) -> list[str]:
+            if not local_judge:
+                local_judge.append(J.LocalJudge(judge.path, judge.max_new_tokens, judge.batch_size))
+            return local_judge[0](prompts)
+
+        return J.score_rows(name, rows, generate)
+
     corpora = [name in C.CORPUS for name in scorers]  # a corpus metric (CIDEr ...): scored once over all answers
-    score_fns = [None if corpus else S.get(name) for corpus, name in zip(corpora, scorers)]
+    score_fns = [None if corpus or j else S.get(name) for corpus, j, name in zip(corpora, judged, scorers)]
     answered: list[list[dict]] = [[] for _ in splits]
     for i, batch in eval_parts(splits, collates, rank=dist.rank(), world=dist.world_size(), batch_size=batch_size,
                                policy=policy, loader=loader):
-        preds = method.generate(batch.to(device, non_blocking=True), max_new_tokens)
+        cap = max_new_tokens[i] if isinstance(max_new_tokens, list) else max_new_tokens
+        preds = method.generate(batch.to(device, non_blocking=True), cap)
         score = score_fns[i]
         for pred, ref in zip(preds, batch.meta):
             answered[i].append(answer_row(ref, pred, None if score is None else score(pred, ref), model_id))
@@ -173,6 +190,11 @@ def evaluate_generation(method: Method, splits: list[Split], *, batch_size: int,
                 dist.on_main(functools.partial(atomic_write_text, answers_dir / f"{name}.metrics.json",
                                                json.dumps(summary, indent=1)))  # small: built on every rank
             total = value * len(gathered)
+        elif judged[i]:  # rank 0 asks the judge; every rank gets the scores
+            scored = dist.broadcast_object(judge_rows(scorers[i], gathered) if dist.is_main() else None)
+            for r, sc in zip(gathered, scored):
+                r.update(sc)
+            total = float(sum(r["score"] for r in gathered))
         else:
             total = float(sum(r["score"] for r in gathered))
         if answers_dir is not None:

@@ -19,7 +19,7 @@ from mcit.core.rundir import RunDir, RunDirError
 from mcit.data.loader import LoaderOptions
 from mcit.data.shards import Split, carve, open_split, replay_buffer, replay_keys, union
 from mcit.data.types import TaskSequence
-from mcit.models.base import BackboneError, backbone_class
+from mcit.models.base import BackboneError, backbone_class, check_hf_dir
 from mcit.run.ds_config import check_deepspeed_config
 from mcit.run.plan import Plan, ResolvedBackbone
 
@@ -102,13 +102,23 @@ def preflight(cfg: RunConfig, base: Path | None = None, *, run_dir: Path | None 
     scorers = None
     if generative:
         from mcit.core import caption_metrics as C
+        from mcit.core import judge as J
         from mcit.core import scorers as S
 
         scorers = [s.scorer or te.manifest.get("scorer") or "exact_match" for s, te in zip(specs, test)]
         for s, name in zip(specs, scorers):
-            if name not in S.SCORERS and name not in C.CORPUS:
+            if name not in S.SCORERS and name not in C.CORPUS and name not in J.JUDGED:
                 raise ConfigError(f"data.tasks: task {s.name!r}: unknown scorer {name!r}; "
-                                  f"known: {', '.join(sorted([*S.SCORERS, *C.CORPUS]))}")
+                                  f"known: {', '.join(sorted([*S.SCORERS, *C.CORPUS, *J.JUDGED]))}")
+            if name in J.JUDGED:
+                judge = cfg.eval.judge.path
+                if not judge:
+                    raise ConfigError(f"data.tasks: task {s.name!r}: scorer {name} asks a judge model to read the "
+                                      f"answers; set eval.judge.path to a local causal-LM directory")
+                try:
+                    check_hf_dir(absolute(judge, base))
+                except Exception as e:  # noqa: BLE001 - any unreadable judge directory is one line
+                    raise ConfigError(f"eval.judge.path: {e}") from None
             if name in C.CORPUS and C.check():
                 raise ConfigError(f"data.tasks: task {s.name!r}: scorer {name} cannot run here: {C.check()}")
     method_cls = METHODS.get(cfg.method.name)

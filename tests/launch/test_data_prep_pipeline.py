@@ -74,37 +74,69 @@ def test_converted_instruction_sets_train(mcit_assets, tmp_path):
     assert abs(m["acc_matrix"][-1][4] - 100 * cap["score"]) < 1e-6
 
 
+def _tiny_judge(tokenizer_dir, out):
+    """A local judge model: a one-layer Llama over the tiny LLaVA's tokenizer, with a text chat template (the
+    prompt as one user turn, as a chat judge reads it)."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tok.chat_template = "{% for m in messages %}USER: {{ m['content'] }} {% endfor %}ASSISTANT:"
+    import torch
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                                         max_position_embeddings=4096, bos_token_id=tok.bos_token_id,
+                                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
 def test_mllm_cl_tasks_train_and_are_scored_by_their_scripts(mcit_assets, tmp_path):
-    """One MLLM-DCL domain (Sci: its scorer reads the image's file name and the question) and one MLLM-ACL ability
-    (OCR: a list of answers and OCRBench's category) from their public layouts, converted, trained in one sequence
-    and scored by MLLM-CL's rules: each answer row's score is the scorer's on that row's prediction."""
+    """One MLLM-DCL domain (Sci: its scorer reads the image's file name and the question) and two MLLM-ACL abilities
+    (OCR: a list of answers and OCRBench's category; Math: MathVista's answer table and a local judge model) from
+    their public layouts, converted, trained in one sequence and scored by MLLM-CL's rules: each answer row's score
+    is the scorer's on that row's prediction, and a Math row the rule cannot read holds the judge's reply and the
+    score of that reply."""
     from raw_formats import mllm_acl_raw, mllm_dcl_raw
 
+    from mcit.core import judge as J
     from mcit.core import scorers as S
 
     dcl, acl = mllm_dcl_raw(tmp_path / "raw"), mllm_acl_raw(tmp_path / "raw")
     for args in (("mllm_dcl", "--instructions", dcl, "--task", "sci", "--out", tmp_path / "dcl"),
-                 ("mllm_acl", "--instructions", acl, "--task", "ocr", "--out", tmp_path / "acl")):
+                 ("mllm_acl", "--instructions", acl, "--task", "ocr", "math", "--annotations",
+                  f"math={acl / 'MathVista_MINI.tsv'}", "--out", tmp_path / "acl")):
         r = convert(*args)
         assert r.returncode == 0, r.stderr
         assert convert(args[0], "--verify", args[-1]).returncode == 0
+    judge = _tiny_judge(mcit_assets["backbone"], tmp_path / "judge")
     cfg = mcit_config(mcit_assets, tmp_path, "mllm_cl", data={"tasks": [
         {"name": n, "train": str(root / n / "train"), "test": str(root / n / "test")}
-        for n, root in (("sci", tmp_path / "dcl"), ("ocr", tmp_path / "acl"))]},
+        for n, root in (("sci", tmp_path / "dcl"), ("ocr", tmp_path / "acl"), ("math", tmp_path / "acl"))]},
         backbone={"chat_format": "vicuna_v1"},
         train={"epochs": 1, "batch_size": 2, "lr": 0.05, "checkpoint_every": 2, "log_every": 2, "progress": False,
                "deepspeed_config": "deepspeed_configs/cpu.json"},
-        eval={"zero_shot": False})
+        eval={"zero_shot": False, "judge": {"path": str(judge), "max_new_tokens": 6}})
     res = launch(["--config", str(cfg)], launcher="python")
     assert res.returncode == 0, res.stderr[-3000:]
     run = tmp_path / "runs" / "mllm_cl"
     m = json.loads((run / "metrics.json").read_text())
-    assert m["complete"] and m["test_counts"] == [3, 3] and m["scorers"] == ["mllm_cl_sci", "mllm_cl_ocrbench"]
+    assert m["complete"] and m["test_counts"] == [3, 3, 3]
+    assert m["scorers"] == ["mllm_cl_sci", "mllm_cl_ocrbench", "mllm_cl_math"]
     row = sorted(p for p in (run / "eval" / "answers").iterdir())[-1]
     for i, name in enumerate(m["scorers"]):
         rows = [json.loads(line) for line in (row / f"{i}.jsonl").read_text().splitlines()]
         assert len(rows) == 3
         for r in rows:
             ref = {**r["reference"], "question": r["question"], "answers": r["answers"]}
-            assert r["score"] == S.get(name)(r["prediction"], ref)
+            if name in J.JUDGED:
+                pre = J.prefetch(r["prediction"], ref)
+                assert (r["judge_log"] == "Prefetch succeed") == bool(pre)
+                assert r["score"] == float(J.hit(pre if pre else r["judge_response"], ref))
+            else:
+                assert r["score"] == S.get(name)(r["prediction"], ref)
         assert abs(m["acc_matrix"][-1][i] - 100 * sum(r["score"] for r in rows) / 3) < 1e-9
+    math_rows = [json.loads(line) for line in (row / "2.jsonl").read_text().splitlines()]
+    assert any(isinstance(r["judge_response"], str) for r in math_rows)  # the judge answered some question

@@ -32,6 +32,10 @@ def test_local_sweep_runs_every_point_through_deepspeed_and_aggregates(assets, t
     for f in ("aggregate.md", "aggregate.csv", "points.csv", "task_accuracy.png", "first_task_loss.png"):
         assert (out / f).is_file(), f
     assert "| l2p | l2p | tiny_test_vit | default | 2 |" in r.stdout
+    md, l2p = (out / "aggregate.md").read_text(), next(g for g in agg["groups"] if g["config"] == "l2p")
+    cells = " | ".join(f"{l2p['metrics'][k]['mean']:.2f} ± {l2p['metrics'][k]['std']:.2f}"
+                       for k in ("mft", "mfn", "maa", "bwt"))
+    assert "## MCITlib's columns" in md and f"| l2p | default | 2 | {cells} |" in md  # MFT, MFN, MAA, BWT
     m = json.loads((out / "runs" / "vpt_nsp2__s1_o1" / "metrics.json").read_text())
     assert m["meta"]["order_unit"] == "class" and len(m["first_task_loss"]) == 2
     assert all(np.isfinite(m["first_task_loss"]))

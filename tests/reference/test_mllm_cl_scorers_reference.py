@@ -37,3 +37,49 @@ def test_the_table_holds_the_rules_quirks():
     hme = [c for c in CASES["mllm_cl_ocrbench"] if c["answer_type"].startswith("Handwritten")]
     assert any(c["score"] == 0 and c["pred"].lower().replace(" ", "") == c["answer"].lower().replace(" ", "")
                for c in hme)
+
+
+MATH = json.loads((Path(__file__).parent / "official" / "mllm_cl_math.json").read_text())
+MATH_REF = ("answer", "answer_option", "choices", "question_type", "answer_type")
+
+
+def test_math_rules_read_the_prediction_as_eval_math_does():
+    """MLLM-ACL Math's rule before any judge (post_check with prefetch, 37 cases): what it reads, whether the judge
+    is then asked, and the score where no judge is needed; letters, option texts, refusals, integers, floats."""
+    from mcit.core import judge as J
+
+    for c in MATH["prefetch"]:
+        ref = {k: c[k] for k in MATH_REF}
+        got = J.prefetch(c["pred"], ref)
+        assert got == c["prefetch"] and type(got) is type(c["prefetch"]), c
+        assert (not got) == c["judge_called"], c
+        if c["score"] is not None:
+            assert float(J.hit(got, ref)) == c["score"], c
+    assert sum(c["judge_called"] for c in MATH["prefetch"]) >= 10
+    assert sum(c["score"] == 1 for c in MATH["prefetch"]) >= 10
+
+
+def test_math_judge_prompt_and_replies_score_as_eval_math_does():
+    """The judge's prompt is build_mathvista_gpt4_prompt's, character for character; its replies (25 cases: a
+    letter, option text, numbers with and without decimals, a list) score as MathVista_acc scores them, through
+    score_rows, which asks the judge only for the rows the rule could not read."""
+    from mcit.core import judge as J
+
+    assert J.prompt("<model prediction>", {"judge_question": "<question column of MathVista_MINI row>"}) == \
+        MATH["prompt_template"]
+    rows = [{"prediction": c["pred"], "reference": {**{k: c[k] for k in MATH_REF}, "judge_question": f"Q{n}"}}
+            for n, c in enumerate(MATH["judge"])]
+    asked: list[str] = []
+
+    def judge(prompts: list[str]) -> list[str]:
+        asked.extend(prompts)
+        by_question = {f"Q{n}\n": c["judge_raw"] for n, c in enumerate(MATH["judge"])}
+        return [next(v for q, v in by_question.items() if f"\n{q}Model respone: " in p) for p in prompts]
+
+    scored = J.score_rows("mllm_cl_math", rows, judge)
+    assert len(asked) == len(rows)  # none of these predictions is read by the rule
+    assert [s["score"] for s in scored] == [c["score"] for c in MATH["judge"]]
+    assert all(s["judge_log"] == "Succeed" and s["judge_response"] == c["judge_raw"]
+               for s, c in zip(scored, MATH["judge"]))
+    ones = sum(c["score"] for c in MATH["judge"])
+    assert 5 <= ones <= len(MATH["judge"]) - 5

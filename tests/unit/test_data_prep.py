@@ -516,7 +516,8 @@ def test_mllm_cl_layouts_convert_verify_and_keep_what_their_scorers_read(tmp_pat
     """MLLM-DCL (<Domain>/{train,test}.json, images under each domain) and MLLM-ACL (<Ability>/train.json,
     <Ability>_test/test.json): every domain and the local abilities convert and verify, each test split
     scored by its MLLM-CL script; Sci keeps the image's file name, OCR its list of answers and OCRBench
-    category, VP its task. Math and APP, which MLLM-CL does not score locally, are refused by name."""
+    category, VP its task. Math joins MathVista's answer table by MLLM-CL's rule (testmini_<n> is row n), refusing
+    a table whose rows ask other questions; without the table, and APP always, are refused by name."""
     from mcit.data.instructions import decode_instruction
     from mcit.data.shards import iter_samples
 
@@ -545,6 +546,21 @@ def test_mllm_cl_layouts_convert_verify_and_keep_what_their_scorers_read(tmp_pat
     r = convert("mllm_acl", "--instructions", acl, "--out", tmp_path / "acl_math", "--task", "math")
     assert r.returncode == 2 and "task 'math'" in r.stderr and "MathVista" in r.stderr
     assert not (tmp_path / "acl_math").exists()
+    table = acl / "MathVista_MINI.tsv"  # with MathVista's answer table: testmini_<n> is row n
+    r = convert("mllm_acl", "--instructions", acl, "--out", tmp_path / "acl_math", "--task", "math", "--annotations",
+                f"math={table}")
+    assert r.returncode == 0, r.stderr
+    math = [decode_instruction(s)[1] for s in iter_samples(open_split(tmp_path / "acl_math" / "math" / "test"), 0, 1,
+                                                           policy="sample")]
+    assert [(x["answer"], x["question_type"], x["answer_type"]) for x in math] == [
+        ("145°", "multi_choice", "text"), ("5", "free_form", "integer"), ("1.5", "free_form", "float")]
+    assert math[0]["choices"] == ["135°", "140°", "145°", "150°"] and math[0]["answer_option"] == "C"
+    test = json.loads((acl / "Math_test" / "test.json").read_text())
+    (acl / "Math_test" / "test.json").write_text(json.dumps([dict(t, question_id=f"testmini_{n + 1}")
+                                                             for n, t in enumerate(test)]))  # ids from 1: off by one
+    r = convert("mllm_acl", "--instructions", acl, "--out", tmp_path / "acl_math2", "--task", "math", "--annotations",
+                f"math={table}")
+    assert r.returncode == 2 and "record 'testmini_1'" in r.stderr and "asks another question" in r.stderr
     (dcl / "Med" / "images" / "med_0001.png").unlink()  # images live in the domain folder: a missing one is named
     r = convert("mllm_dcl", "--instructions", dcl, "--task", "med", "--out", tmp_path / "dcl2")
     assert r.returncode == 2 and "med_train_1" in r.stderr and "med_0001.png" in r.stderr
