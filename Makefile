@@ -127,7 +127,7 @@ test-unit: install
 # this is ~35% faster on 2 cores.
 test: install
 	$(BIN)/ruff check --no-cache .
-	PATH=$(abspath $(BIN)):$$PATH DS_ACCELERATOR=cpu CUDA_VISIBLE_DEVICES= $(BIN)/python -m pytest -q -n 2 --dist loadfile tests
+	PATH=$(abspath $(BIN)):$$PATH DS_ACCELERATOR=cpu CUDA_VISIBLE_DEVICES= $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
 
 # Mutation testing of the core modules against the in-process tests (settings: [tool.mutmut] in pyproject.toml).
 # Not part of `make test`: it runs those tests once per mutant. Survivors: `$(BIN)/mutmut results`.
