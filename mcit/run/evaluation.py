@@ -17,6 +17,7 @@ import torch
 
 from mcit.core import distributed as dist
 from mcit.core.config import RunConfig
+from mcit.data.instructions import SCORER_KEYS
 from mcit.data.loader import LoaderOptions, eval_batches, eval_parts
 from mcit.data.shards import Split
 from mcit.methods.base import Method
@@ -114,8 +115,6 @@ def answer_row(ref: dict[str, Any], pred: str, score: float, model_id: str) -> d
     LLaVA scripts draw a random one). ``reference`` holds the answer and what else the scorer reads (a box, an
     image size, an OCRBench category: mcit.data.instructions.SCORER_KEYS), so every score can be recomputed from
     the row (``scorer(row["prediction"], {**row["reference"], "question": ..., "answers": ...})``)."""
-    from mcit.data.instructions import SCORER_KEYS
-
     reference = {"answer": ref.get("answer"), **{k: ref[k] for k in SCORER_KEYS if k in ref}}
     return {"key": ref["key"], "question": ref["question"], "answers": ref["answers"], "prediction": pred,
             "score": score, "reference": reference, "question_id": ref.get("question_id", ref["key"]),

@@ -71,6 +71,7 @@ def sample_of(key: str, question: str, image: Any | None) -> dict[str, Any]:
 
 def make_adapter(host: Any, task_index: int, batch_size: int, max_new_tokens: int) -> Any:
     """An lmms-eval model (``lmms_eval.api.model.lmms``) answering with ``host``'s method as it stands."""
+    import torch
     from lmms_eval.api.model import lmms
 
     backbone = host.backbone
@@ -108,8 +109,6 @@ def make_adapter(host: Any, task_index: int, batch_size: int, max_new_tokens: in
                 group = [x for x in todo if x[2] == tokens]
                 for i in range(0, len(group), batch_size):
                     part = group[i:i + batch_size]
-                    import torch
-
                     with torch.no_grad():
                         batch = collate([s for _, s, _, _ in part]).to(dist.device())
                         preds = host.method.generate(batch, tokens)
