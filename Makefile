@@ -15,7 +15,7 @@ CIL_CONFIGS  ?= $(foreach m,$(CIL_METHODS),configs/digits_$(m).yaml)
 DATA_ENV := DS_ACCELERATOR=cpu
 RUN := PATH=$(abspath $(BIN)):$$PATH DS_ACCELERATOR=cpu CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1
 
-.PHONY: install data data-cil demo demo-more demo-cil study-cil study-mcit sweep-demo lint test test-unit mutate bench clean clean-data
+.PHONY: install data data-cil demo demo-more demo-cil study-cil study-mcit sweep-demo lint test test-unit test-numerics mutate bench clean clean-data
 
 install: $(VENV)/.installed
 
@@ -128,6 +128,17 @@ test-unit: install
 test: install
 	$(BIN)/ruff check --no-cache .
 	PATH=$(abspath $(BIN)):$$PATH DS_ACCELERATOR=cpu CUDA_VISIBLE_DEVICES= $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
+
+# The number-comparing tests (tests/reference and the in-process tests marked `numerics`) once per CPU kernel set
+# this machine can emulate: MKL held to SSE4.2 / AVX2 / AVX-512 (1 and 2 threads) and to its reproducible path,
+# ATen's default and AVX2 kernels, oneDNN capped at AVX2. Then each fixture's noise floor against its tolerance
+# (margin >= 10), and every wrong variant of tests/reference/variants/ against the tests (each must fail, >= 10
+# tolerances away). What `make test` cannot show on one machine: that a tolerance holds on CPUs you do not have.
+# Not part of `make test` (about an hour here: 25 min for the 12 kernel sets, 33 min for the 280 variants). NUMERICS_ARGS: e.g. --kernels default aten_default.
+NUMERICS_ARGS ?=
+test-numerics: install
+	PATH=$(abspath $(BIN)):$$PATH DS_ACCELERATOR=cpu CUDA_VISIBLE_DEVICES= $(BIN)/python tests/numerics.py $(NUMERICS_ARGS)
+	PATH=$(abspath $(BIN)):$$PATH DS_ACCELERATOR=cpu CUDA_VISIBLE_DEVICES= $(BIN)/python tests/numerics.py --variants
 
 # Mutation testing of the core modules against the in-process tests (settings: [tool.mutmut] in pyproject.toml).
 # Not part of `make test`: it runs those tests once per mutant. Survivors: `$(BIN)/mutmut results`.

@@ -9,7 +9,17 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import EVALUATE, FAULTY, http_served, launch, run_main, snapshot, tiny_config
+from conftest import (
+    EVALUATE,
+    FAULTY,
+    TRAINED_LOSS,
+    final_training_loss,
+    http_served,
+    launch,
+    run_main,
+    snapshot,
+    tiny_config,
+)
 
 METRIC_KEYS = {"tasks", "acc_matrix", "final_avg_acc", "final_avg_acc_task_mean", "avg_incremental_acc",
                "forgetting", "bwt", "fwd"}
@@ -38,7 +48,7 @@ def test_two_process_deepspeed_run_writes_metrics_and_report(reference_run):
     assert len(m["zero_shot"]) == 3
     # class-incremental protocol: a task not yet trained cannot be predicted
     assert m["acc_matrix"][0][1] == 0.0 and m["acc_matrix"][0][2] == 0.0
-    assert m["acc_matrix"][0][0] > 50.0  # a 2-class task, trained: well above chance
+    assert final_training_loss(run_dir) < TRAINED_LOSS  # it learns (conftest: why not its test accuracy)
     assert (run_dir / "acc_matrix.png").read_bytes()[:4] == b"\x89PNG"
     assert "## Accuracy matrix" in (run_dir / "report.md").read_text()
     state = json.loads((run_dir / "state.json").read_text())
@@ -283,7 +293,7 @@ def test_plain_python_single_process_with_zero3_and_a_task_s_own_epochs(assets, 
     res = launch(["--config", str(cfg)], launcher="python")
     assert res.returncode == 0, res.stderr[-3000:]
     m = json.loads((work / "runs" / "zero3" / "metrics.json").read_text())
-    assert m["complete"] and m["acc_matrix"][0][0] > 50.0
+    assert m["complete"] and final_training_loss(work / "runs" / "zero3") < TRAINED_LOSS
     logs = [json.loads(ln) for ln in (work / "runs" / "zero3" / "logs" / "train.jsonl").read_text().splitlines()]
     steps = {t: [r for r in logs if r.get("task") == t and "lr" in r] for t in (0, 1)}
     epochs = {t: [r["epoch"] for r in steps[t]] for t in (0, 1)}
@@ -302,7 +312,7 @@ def test_torchrun_two_processes_with_zero3_cpu_offload(assets, work):
     res = launch(["--config", str(cfg)], launcher="torchrun", nproc=2)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     m = json.loads((work / "runs" / "offload" / "metrics.json").read_text())
-    assert m["complete"] and m["acc_matrix"][0][0] > 50.0
+    assert m["complete"] and final_training_loss(work / "runs" / "offload") < TRAINED_LOSS
 
 
 def test_nonfinite_loss_stops_with_one_line_and_resumes_from_the_last_checkpoint(assets, work, reference_run):

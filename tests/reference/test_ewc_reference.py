@@ -89,12 +89,16 @@ def scale(values: dict) -> float:
     return max(float(T.as_tensor(v).abs().max()) for v in values.values())
 
 
-def check(got: dict[str, torch.Tensor], want: dict, what: str) -> None:
-    """Each tensor within 1e-5 of the quantity's scale (the largest magnitude over its tensors)."""
+TOL = T.TOLERANCE["ewc"]
+
+
+def check(got: dict[str, torch.Tensor], want: dict, what: str, tol: float = TOL) -> None:
+    """Each tensor within ``tol`` of the quantity's scale (the largest magnitude over its tensors: a step's
+    gradients round at the scale of the largest of them, so a small one carries the others' noise)."""
     assert set(map(ours, want)) <= set(got), what
     for key, value in want.items():  # assert_close scales its tolerance by max(1, the tensor's own magnitude)
         own = max(1.0, float(T.as_tensor(value).abs().max()))
-        T.assert_close(got[ours(key)], value, f"{what} {key}", T.TOL * scale(want) / own)
+        T.assert_close(got[ours(key)], value, f"{what} {key}", tol * scale(want) / own)
 
 
 def test_ewc_fisher_penalty_and_training_match_the_official_code():
@@ -113,7 +117,7 @@ def test_ewc_fisher_penalty_and_training_match_the_official_code():
             terms = m(batch(data, rows, t))
             if "penalty" in want:  # task 1: lambda * sum F (p - anchor)^2 and its own gradient
                 T.assert_close(terms.regularizer, want["penalty"], f"task {t} step {s}: penalty",
-                               T.TOL * max(want["penalty"], 1e-3))
+                               TOL * max(want["penalty"], 1e-3))
                 grads = torch.autograd.grad(terms.regularizer, trainable, retain_graph=True, allow_unused=True)
                 got = {ours(k): torch.zeros_like(p) if g is None else g
                        for k, p, g in zip(ref["init"], trainable, grads)}
@@ -125,7 +129,7 @@ def test_ewc_fisher_penalty_and_training_match_the_official_code():
             else:
                 assert float(terms.regularizer.detach()) == 0  # no Fisher yet: the first task trains plain LoRA
             loss = terms.per_sample.mean() + terms.regularizer
-            T.assert_close(loss, want["loss"], f"task {t} step {s}: loss")
+            T.assert_close(loss, want["loss"], f"task {t} step {s}: loss", TOL)
             loss.backward()
             check({n: p.grad for n, p in named.items() if p.grad is not None}, want["grad"], f"task {t} step {s}: grad")
             opt.step()
@@ -139,4 +143,4 @@ def test_ewc_fisher_penalty_and_training_match_the_official_code():
     verbatim = ref["verbatim_task1"]
     assert not any(s["penalty_has_grad"] for s in verbatim["steps"]) and verbatim["steps"][2]["penalty"] > 0
     apart = max(float((named[ours(k)].detach() - torch.tensor(v)).abs().max()) for k, v in verbatim["trained"].items())
-    assert apart > 1e3 * T.TOL * scale(verbatim["trained"]), apart
+    assert apart > 100 * TOL * scale(verbatim["trained"]), apart

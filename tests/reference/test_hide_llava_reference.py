@@ -12,7 +12,6 @@ both tasks, the top layer's routed output and the LLM's output.
 
 from __future__ import annotations
 
-import os
 import types
 
 import tiny_inputs as T
@@ -22,20 +21,12 @@ from mcit.core.registry import METHODS
 from mcit.data.types import TaskSequence
 from mcit.methods.hide_llava import instruction_text
 
-TOL = 1e-5
+TOL = T.TOLERANCE["hide_llava"]
 
 
 def _close(ours: torch.Tensor, ref, what: str) -> None:
     """Max abs difference at most TOL times the official quantity's own largest magnitude (no floor)."""
-    d = T.max_diff(ours, ref)
-    scale = float(T.as_tensor(ref).abs().max())
-    assert scale > 0, f"{what}: the official value is 0"
-    report = os.environ.get("MCIT_REFERENCE_REPORT")
-    if report:
-        with open(report, "a") as f:
-            f.write(f"{os.environ.get('PYTEST_CURRENT_TEST', '?').split(' ')[0]}\t{what}\t{d:.3g}\t{scale:.3g}\n")
-    assert d <= TOL * scale, (f"{what}: max abs difference {d:.3g} from the official value (tolerance {TOL} x "
-                              f"{scale:.3g})")
+    T.assert_rel_close(ours, ref, what, TOL)
 
 
 def _slot(m, key: str) -> torch.nn.Parameter:

@@ -179,12 +179,17 @@ def original_row(ids: torch.Tensor, values: torch.Tensor, image_token: int) -> l
 SCALES: dict[str, float] = {}  # every compared quantity's largest official magnitude (printed: the fixture's scales)
 
 
-def close(ours: torch.Tensor, ref, what: str) -> None:
-    """Within 1e-5 of the official quantity's own scale (its largest magnitude), which must be far from zero."""
+TOL = T.TOLERANCE["modal_prompt"]
+
+
+def close(ours: torch.Tensor, ref, what: str, unit: float = 0.0) -> None:
+    """Within TOL of the official quantity's own scale (its largest magnitude), which must be far from zero, or of
+    ``unit`` where that is larger: a cosine rounds at the scale of its unit vectors, whatever its value (1 - cos of
+    0.99 is 0.01 with the rounding of 1; measured: 6e-8 across CPU kernel sets, 6e-6 of such a scale)."""
     scale = float(T.as_tensor(ref).abs().max())
     assert scale > 1e-3, f"{what}: official scale {scale:.3g} is too close to trivial"
     SCALES[what.split(" (")[0]] = max(SCALES.get(what.split(" (")[0], 0.0), scale)
-    T.assert_close(ours, ref, what, tol=1e-5 * min(scale, 1.0))
+    T.compare(ours, ref, what, TOL, max(scale, unit))
 
 
 @pytest.fixture(scope="module")
@@ -194,6 +199,7 @@ def fixture(tmp_path_factory):
 
     from mcit.models.base import load_backbone
 
+    L.skip_unless_this_randn_draws_the_weights()
     ref = T.official("modal_prompt")
     paths = build(tmp_path_factory.mktemp("modal_prompt"))
     assert L.weight_sha256(paths) == T.official("llava15")["sha256"]  # the tiny LLaVA LLaVA's own code ran on
@@ -252,10 +258,12 @@ def _replay(m, bb, train, ev, values: dict, init: dict) -> None:
                     image, text = m.guide_features(batch, embeds, query)
                     close(image, rec["image_features"], f"task {t}: CLIP image features")
                     close(text, rec["text_features"], f"task {t}: CLIP text features")
-                    close(1 - out["align_image"], rec["loss_cos_image"], f"task {t}: cos(image, own prototype)")
-                    close(1 - out["align_text"], rec["loss_cos_text"], f"task {t}: cos(text, own prototype)")
-                close(out["cos_image"], rec["cos_image"], f"task {t}: cos(image, prototypes)")
-                close(out["cos_text"], rec["cos_text"], f"task {t}: cos(text, prototypes)")
+                    close(1 - out["align_image"], rec["loss_cos_image"], f"task {t}: cos(image, own prototype)",
+                          unit=1.0)
+                    close(1 - out["align_text"], rec["loss_cos_text"], f"task {t}: cos(text, own prototype)",
+                          unit=1.0)
+                close(out["cos_image"], rec["cos_image"], f"task {t}: cos(image, prototypes)", unit=1.0)
+                close(out["cos_text"], rec["cos_text"], f"task {t}: cos(text, prototypes)", unit=1.0)
                 assert out["selected"].tolist() == rec["selected"], f"task {t}: prompts fused in training"
             close(out["lm_loss"].mean(), want["lm"], f"task {t} step {s}: answer-token loss")
             close(out["align_image"].mean(), want["image"], f"task {t} step {s}: image alignment loss")
@@ -283,8 +291,8 @@ def _replay(m, bb, train, ev, values: dict, init: dict) -> None:
                 assert m.instruction_texts(ev) == want["clip_texts"]
             e, mask, _, pos, extra = m.prompted_inputs(ev)
             assert extra["selected"].tolist() == want["selected"], f"after task {t}: prompts fused at inference"
-            close(extra["cos_image"], want["cos_image"], f"after task {t}: inference cos(image, prototypes)")
-            close(extra["cos_text"], want["cos_text"], f"after task {t}: inference cos(text, prototypes)")
+            close(extra["cos_image"], want["cos_image"], f"after task {t}: inference cos(image, prototypes)", unit=1.0)
+            close(extra["cos_text"], want["cos_text"], f"after task {t}: inference cos(text, prototypes)", unit=1.0)
             close(bb.logits(e, mask, pos)[:, -1, :64], want["logits"], f"after task {t}: next-token logits")
             answers = m.generate(ev, 3)
         assert answers == [bb.tokenizer.decode(g, skip_special_tokens=True).strip() for g in want["greedy"]]

@@ -40,11 +40,14 @@ def wide_llama():
     return lm, head, names
 
 
+TOL = T.TOLERANCE["sefe"]
+
+
 def close(ours: torch.Tensor, ref, what: str) -> float:
-    """``assert_close`` with the tolerance 1e-5 of the official value's largest magnitude, also below 1."""
+    """``assert_close`` with the tolerance TOL of the official value's largest magnitude, also below 1."""
     scale = float(T.as_tensor(ref).abs().max())
     assert scale > 0, f"{what}: the official value is zero"
-    return T.assert_close(ours, ref, what, tol=T.TOL * min(1.0, scale))
+    return T.assert_close(ours, ref, what, tol=TOL * min(1.0, scale))
 
 
 def logits(lm, head: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

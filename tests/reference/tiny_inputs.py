@@ -8,7 +8,8 @@ repository, commit, the functions that ran, and what was compared. The official 
 folder outside this repository (timm 0.6.7 / 0.9.12 as its requirements pin, with the same CPU torch);
 only its numbers are here (rounded to 9 significant digits, beyond float32 precision).
 
-Tolerance: 1e-5, relative to the largest official magnitude where that exceeds 1 (``assert_close``).
+Tolerance: 1e-5, relative to the largest official magnitude where that exceeds 1 (``assert_close``), where the
+measured noise floor allows it, else the fixture's own entry in ``TOLERANCE`` (how they were measured: there).
 Gradients are compared rather than Adam's first step (which is lr * sign(g) up to eps and would hide a
 wrong gradient magnitude); where a method rewrites the update itself (projection) the rewritten update
 is compared.
@@ -26,6 +27,34 @@ import torch
 HERE = Path(__file__).resolve().parent
 OFFICIAL = HERE / "official"
 TOL = 1e-5
+# The noise floor of a fixture: the largest difference of its numbers from the official ones over the CPU kernel sets of
+# ``tests/numerics.py`` (MKL held to SSE4.2 / AVX2 / AVX-512 or its reproducible path, ATen's default / AVX2 / AVX-512
+# kernels, oneDNN capped at AVX2, 1 and 2 threads), in units of the scale each comparison uses. A tolerance sits at
+# least 10x above its fixture's floor (a CPU none of those emulate moved the same quantities by up to 2x what they
+# did), and is the smallest of 1, 2, 5 x 10^k that does: 1e-5 for the fixtures whose floor is at most 1e-6 (one pass
+# over the inputs), these for the rest (measured 2026-11-27, torch 2.13.0 + MKL 2024.2, an AVX-512 AMD EPYC). Training
+# carries each step's rounding into the next, and a few inputs are ill-conditioned (a residual stream that nearly
+# cancels at one position): those floors are larger. `make test-numerics` re-measures them; the wrong variants of
+# ``tests/reference/variants.py`` move every fixture far beyond its tolerance.
+TOLERANCE = {
+    # floor 1.5e-4: task 1's gradients (MKL_CBWR=COMPATIBLE), downstream of one ill-conditioned position of sample 0
+    # whose logits (teacher's and student's alike) move 3.5e-5 of their scale where the trained adapters move 7e-7
+    "lwf": 2e-3,
+    "hide_llava": 2e-4,  # floor 1.7e-5: the LLM's output after task 1 (ATEN_CPU_CAPABILITY=default)
+    "disco": 2e-4,  # floor 1.1e-5: the LLM's output after task 1 (ATen default)
+    "ewc": 1e-4,  # floor 7.5e-6: task 1's first-step gradients, after task 0's four steps (ATen default)
+    "sefe": 1e-4,  # floor 5.0e-6: task 0's first-step gradient of q_proj's A (ATen default)
+    "norga": 5e-5,  # floor 2.2e-6: the gradient of e_prompt (ATen default)
+    "moelora": 2e-5,  # floor 1.4e-6: the output after task 1 (ATen default)
+    "olora": 2e-5,  # floor 1.2e-6: the output before task 2, after two tasks' training (ATen default)
+    "star_prompt": 2e-5,  # floor 1.1e-6: the gradient of the first level's context tokens (ATen default)
+    "modal_prompt": 2e-5,  # floor 1.3e-6: the next-token logits after task 3 (ATEN_CPU_CAPABILITY=avx2)
+    # HiDe-Prompt's quantities are small (the prompt's gradient 1.8e-3, covariances 7e-4): each against its own
+    # scale (``assert_rel_close``), not 1e-5 absolute, which was a fifth of a covariance's largest entry
+    "hide_prompt": 5e-6,  # floor 4.0e-7: the training logits (ATen default)
+    # a variance is a difference of second moments: it rounds at their scale (about 1), not its own (1e-4 - 7e-4)
+    "hide_prompt variances": 1e-3,  # floor 5.3e-5: task 0's cluster variances (ATen default)
+}
 CLASSES = [[0, 1, 2], [3, 4, 5]]
 
 
@@ -138,11 +167,12 @@ def grads(m) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in m.named_parameters() if p.grad is not None}
 
 
-def check_gradients(m, ref: dict, names: list[str]) -> None:
-    """Each parameter's gradient against ``ref["grad.<name>"]``."""
+def check_gradients(m, ref: dict, names: list[str], tol: float = TOL, relative: bool = False) -> None:
+    """Each parameter's gradient against ``ref["grad.<name>"]`` (``relative``: ``assert_rel_close``)."""
     g = grads(m)
+    close = assert_rel_close if relative else assert_close
     for name in names:
-        assert_close(g[name], ref[f"grad.{name}"], f"gradient of {name}")
+        close(g[name], ref[f"grad.{name}"], f"gradient of {name}", tol)
 
 
 def check_train_step(m, b, ref: dict, names: list[str], logits: str = "train_logits") -> dict:
@@ -156,18 +186,18 @@ def check_train_step(m, b, ref: dict, names: list[str], logits: str = "train_log
     return out
 
 
-def check_wtp_step(m, b, ref: dict, names: list[str]) -> None:
-    """HiDe-Prompt / NoRGa: the within-task loss the official engine minimises (cross-entropy plus the
-    contrastive term; our TII head's cross-entropy, trained in the same pass, is left out: it reaches none of
-    the compared gradients) and the gradients of ``names``."""
+def check_wtp_step(m, b, ref: dict, names: list[str], tol: float = TOL) -> None:
+    """HiDe-Prompt: the within-task loss the official engine minimises (cross-entropy plus the contrastive term;
+    our TII head's cross-entropy, trained in the same pass, is left out: it reaches none of the compared
+    gradients) and the gradients of ``names``, each within ``tol`` of its own scale."""
     out = m.train_outputs(b)
-    assert_close(out["logits"], ref["train_logits"], "train logits")
+    assert_rel_close(out["logits"], ref["train_logits"], "train logits", tol)
     terms = m.loss(b, out)
-    assert_close(terms.regularizer, ref["orth"], "contrastive loss")
+    assert_rel_close(terms.regularizer, ref["orth"], "contrastive loss", tol)
     loss = terms.task.mean() + terms.regularizer
-    assert_close(loss, ref["loss"], "loss")
+    assert_rel_close(loss, ref["loss"], "loss", tol)
     loss.backward()
-    check_gradients(m, ref, names)
+    check_gradients(m, ref, names, tol, relative=True)
 
 
 def llama_lm():
@@ -216,15 +246,8 @@ def max_diff(ours: torch.Tensor, ref: Any) -> float:
 def assert_close(ours: torch.Tensor, ref: Any, what: str, tol: float = TOL) -> float:
     """Max abs difference at most ``tol``, times the largest official magnitude where that exceeds 1
     (float32 carries about 7 significant digits: a gradient entry of 17 cannot agree to 1e-5 absolute)."""
-    d = max_diff(ours, ref)
     scale = max(1.0, float(as_tensor(ref).abs().max())) if as_tensor(ref).numel() else 1.0
-    report = os.environ.get("MCIT_REFERENCE_REPORT")  # the note's per-method table: test, quantity, max diff
-    if report:
-        with open(report, "a") as f:
-            f.write(f"{os.environ.get('PYTEST_CURRENT_TEST', '?').split(' ')[0]}\t{what}\t{d:.3g}\t{scale:.3g}\n")
-    assert d <= tol * scale, (f"{what}: max abs difference {d:.3g} from the official value (tolerance {tol} x "
-                              f"{scale:.3g})")
-    return d
+    return compare(ours, ref, what, tol, scale)
 
 
 def distinct_vit(layers: int = 6):
@@ -252,13 +275,35 @@ def distinct_vit(layers: int = 6):
 def assert_rel_close(ours: torch.Tensor, ref: Any, what: str, tol: float = TOL) -> float:
     """Max abs difference at most ``tol`` times the quantity's own scale (the largest official magnitude, with
     no floor: a gradient of 1e-3 is held to 1e-8, not to 1e-5). The scale must be non-zero."""
-    d = max_diff(ours, ref)
     scale = float(as_tensor(ref).abs().max())
     assert scale > 0, f"{what}: the official value is 0, no scale to compare against"
+    return compare(ours, ref, what, tol, scale)
+
+
+def compare(ours: Any, ref: Any, what: str, tol: float, scale: float) -> float:
+    """The one comparison every reference test makes: max abs difference at most ``tol * scale``.
+
+    With MCIT_REFERENCE_REPORT set, each call appends a JSON line (test, quantity, difference, scale, allowed, and
+    our values when small) to that file: ``tests/numerics.py`` reads them from runs under several BLAS / ATen
+    kernel sets and thread counts to measure each fixture's noise floor against its tolerance. With
+    MCIT_REFERENCE_CONTINUE set as well, a difference beyond the tolerance is recorded and the test goes on (it
+    fails at its end, ``conftest.py``): how far a wrong variant moves every quantity, not only the first."""
+    ours_t = as_tensor(ours)
+    d = max_diff(ours_t, ref)
+    message = (f"{what}: max abs difference {d:.3g} from the official value (tolerance {tol:.3g} x {scale:.3g})"
+               if not d <= tol * scale else "")
     report = os.environ.get("MCIT_REFERENCE_REPORT")
     if report:
+        row = {"test": os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0], "what": what, "d": d,
+               "scale": scale, "allowed": tol * scale,
+               "values": ours_t.reshape(-1).tolist() if ours_t.numel() <= 4096 else None}
         with open(report, "a") as f:
-            f.write(f"{os.environ.get('PYTEST_CURRENT_TEST', '?').split(' ')[0]}\t{what}\t{d:.3g}\t{scale:.3g}\n")
-    assert d <= tol * scale, (f"{what}: max abs difference {d:.3g} from the official value (tolerance {tol} x "
-                              f"{scale:.3g})")
+            f.write(json.dumps(row) + "\n")
+        if message and os.environ.get("MCIT_REFERENCE_CONTINUE"):
+            FAILED.append(message)
+            return d
+    assert not message, message
     return d
+
+
+FAILED: list[str] = []  # MCIT_REFERENCE_CONTINUE: the comparisons beyond tolerance of the running test

@@ -522,31 +522,34 @@ def test_soft_tf_gradient_id_picks_the_task_whose_masks_make_the_sample_confiden
 
 
 def test_soft_tf_masks_at_one_reproduce_the_unmasked_backbone(backbone, sequence):
-    """Masks initialised at 1 (``mask_init: ones``): the masked network is the pre-trained one, exactly
-    for one task's masks and up to rounding for a superposition of all tasks' masks."""
+    """Masks initialised at 1 (``mask_init: ones``): the masked network is the pre-trained one, up to rounding for
+    one task's masks (bit for bit with MKL's default kernels; 4.8e-7 on its reproducible path, MKL_CBWR=COMPATIBLE,
+    which rounds the per-sample masked product apart from the plain one) and for a superposition of all tasks' masks
+    (up to 5.4e-7 over the kernel sets of `make test-numerics`; features of scale 2.3)."""
     torch.manual_seed(0)
     m = _build("soft_tf", backbone, sequence, mask_mlp=True, mask_init="ones")
     assert {n.split("_l")[0] for n, _ in m.named_parameters() if n.startswith(("wmask", "bmask"))} == {"wmask", "bmask"}
     x = torch.randn(5, 3, 16, 16)
     idx = torch.tensor([0, 1, 2, 1, 0])
     plain = m.features(x, idx.view(-1, 1))
-    assert torch.equal(m.task_features(x, idx), plain)
+    assert torch.allclose(m.task_features(x, idx), plain, atol=1e-5)
     with m.masks(torch.full((5, 3), 1 / 3)):
         mixed = m.features(x, idx.view(-1, 1))
     assert torch.allclose(mixed, plain, atol=1e-5)
     tokens = backbone.embed(x)
     with m.masks(torch.eye(3)[idx]):
         assert torch.equal(backbone.encode(tokens), backbone.encode(backbone.embed(x)))
-    # a changed mask changes exactly the samples of its task
+    # a changed mask changes only the samples of its task (0.096 there; the others within rounding: 0 with MKL's
+    # default kernels, 4.8e-7 on its reproducible path)
     with torch.no_grad():
         m.wmask_l1_v[2].mul_(0.5)
     moved = (m.task_features(x, idx) - plain).abs().flatten(1).amax(1)
-    assert moved[idx == 2].min() > 0 and moved[idx != 2].max() == 0
+    assert moved[idx == 2].min() > 1e-2 and moved[idx != 2].max() <= 1e-5
     # on L2P: masks on both blocks, the L2P forward unchanged at 1
     torch.manual_seed(0)
     l2p = _build("l2p+soft_tf", backbone, sequence, mask_init="ones", mask_layers=[0, 1])
     assert l2p.mask_layers == [0, 1] and l2p.task_key.shape == (3, backbone.hidden_size)
-    assert torch.equal(l2p.task_logits(x, idx), l2p.prompted(x)["logits"])
+    assert torch.allclose(l2p.task_logits(x, idx), l2p.prompted(x)["logits"], atol=1e-5)
 
 
 def test_soft_tf_trains_only_the_current_tasks_masks_and_infers_task_per_sample(backbone, sequence):
