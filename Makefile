@@ -134,7 +134,8 @@ test: install
 # ATen's default and AVX2 kernels, oneDNN capped at AVX2. Then each fixture's noise floor against its tolerance
 # (margin >= 10), and every wrong variant of tests/reference/variants/ against the tests (each must fail, >= 10
 # tolerances away). What `make test` cannot show on one machine: that a tolerance holds on CPUs you do not have.
-# Not part of `make test` (about an hour here: 25 min for the 12 kernel sets, 33 min for the 280 variants). NUMERICS_ARGS: e.g. --kernels default aten_default.
+# Not part of `make test`: about an hour here (25 min for the 12 kernel sets, 33 min for the 280 variants).
+# NUMERICS_ARGS: e.g. --kernels default aten_default.
 NUMERICS_ARGS ?=
 test-numerics: install
 	PATH=$(abspath $(BIN)):$$PATH DS_ACCELERATOR=cpu CUDA_VISIBLE_DEVICES= $(BIN)/python tests/numerics.py $(NUMERICS_ARGS)

@@ -8,11 +8,12 @@ vectorised kernels (softmax, reductions, GELU), and both split work by thread co
 below, each run recording every reference comparison (``tiny_inputs.compare``: the difference from the official
 value, the quantity's scale, the tolerance, our values), then prints per fixture
 
-* floor: the largest difference from the official numbers over every kernel set, relative to the quantity's
-  scale (what the tolerance must sit above),
-* spread: the largest difference between two kernel sets' values of the same quantity (how much the CPU alone
-  moves it),
-* tolerance: the smallest allowed difference, relative to scale, and margin = tolerance / floor.
+* margin: over its quantities and every kernel set, the smallest ratio of the allowed difference to the difference
+  from the official numbers (where, and under which kernel set),
+* floor: its tolerance (``tiny_inputs.TOLERANCE``, else ``TOL``) over that margin, in the tolerance's own units:
+  what the tolerance must sit above,
+* spread: the largest difference between two kernel sets' values of one quantity, in tolerances (how much the CPU
+  alone moves it).
 
 It fails when a test fails under any kernel set, or when a fixture's margin is below ``--min-margin`` (10: the
 tolerance must sit an order of magnitude above what this machine's kernel sets move, so that a CPU this
