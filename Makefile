@@ -24,6 +24,7 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -qq --disable-pip-version-check torch==2.13.0
 	$(BIN)/pip install -qq --disable-pip-version-check -e ".[test,lmms]" torch==2.13.0
 	$(BIN)/pip install -qq --disable-pip-version-check --no-deps lmms-eval==0.7.3
+	PATH=$(abspath $(BIN)):$$PATH $(BIN)/python -m mcit.core.extensions  # DeepSpeed's JIT ops, built now, not at a run's start
 	touch $@
 
 # Data and backbones are file targets: each is rebuilt only when the code that determines its bytes is newer

@@ -126,9 +126,9 @@ def write_shards(directory: Path, specs: Sequence[Any], encode: Callable[[Any], 
     todo = [(encode, plan[k], str(directory / names[k]), on_error) for k in range(len(plan)) if names[k] not in done]
     bar = None
     if progress:
-        from tqdm.auto import tqdm
+        from mcit.core.progress import progress_bar
 
-        bar = tqdm(total=len(plan), initial=len(plan) - len(todo), desc=desc, unit="shard", dynamic_ncols=True)
+        bar = progress_bar(len(plan), desc, "shard", initial=len(plan) - len(todo), leave=True)
 
     def finish(n: int, skipped: list[str], path: str) -> None:
         f = Path(path)
@@ -352,6 +352,11 @@ def builder_main(doc: str, build: Callable[..., dict], summary: Callable[[Any, d
                         default=default)
     ap.add_argument("--force", action="store_true", help="rebuild even if a complete build with these settings exists")
     args = ap.parse_args(argv)
+    for name in options:  # an input (the shards a backbone pre-trains on) that is not there: usage, exit 2
+        value = getattr(args, name)
+        if isinstance(value, Path) and not value.exists():
+            ap.error(f"--{name.replace('_', '-')} {value}: not found (`make data` builds the embedded benchmarks; "
+                     f"run from the repository root or pass the path)")
     info = build(out=args.out, force=args.force, **{name: getattr(args, name) for name in options})
     print(summary(args, info), file=sys.stderr)
     return 0

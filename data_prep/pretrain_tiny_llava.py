@@ -14,7 +14,6 @@ checkpoint with the same settings is reused.
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -66,10 +65,9 @@ def pretrain(shards: Path, out: Path, *, epochs: int = 6, batch_size: int = 32, 
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
     bar = None
     if progress:
-        from tqdm.auto import tqdm
+        from mcit.core.progress import progress_bar
 
-        bar = tqdm(total=steps, desc="tiny LLaVA instruction pre-training", unit="step", dynamic_ncols=True,
-                   mininterval=0.5 if sys.stderr.isatty() else 10.0)
+        bar = progress_bar(steps, "tiny LLaVA instruction pre-training", "step", leave=True)
     g = torch.Generator().manual_seed(seed)
     model.train()
     loss_ema = None
@@ -146,10 +144,9 @@ def pretrain_vision(model, processor, *, n: int, epochs: int, seed: int, lr: flo
 
     bar = None
     if progress:
-        from tqdm.auto import tqdm
+        from mcit.core.progress import progress_bar
 
-        bar = tqdm(total=steps, desc="tiny CLIP vision tower pre-training", unit="step", dynamic_ncols=True,
-                   mininterval=0.5 if sys.stderr.isatty() else 10.0)
+        bar = progress_bar(steps, "tiny CLIP vision tower pre-training", "step", leave=True)
     tower.train()
     for _ in range(epochs):
         order = torch.randperm(n, generator=g)

@@ -234,8 +234,11 @@ def run_env(**extra: str) -> dict[str, str]:
         env["DS_ACCELERATOR"] = os.environ["MCIT_TEST_ACCELERATOR"]
     env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
     for var in ("MCIT_TEST_FAULT", "MCIT_TEST_NONFINITE", "MCIT_TEST_PAUSE", "MCIT_TEST_WRITE_FAIL",
-                "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+                "MCIT_TEST_STARTUP_PAUSE", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)  # an in-process test may have initialised a process group
+    # no launch of the suite waits on DeepSpeed's extension lock longer than this (mcit.core.extensions): a live
+    # holder that long is a failure with the lock named, not a hang until the test's own timeout
+    env.setdefault("MCIT_EXTENSION_LOCK_TIMEOUT_S", "300")
     env.update(extra)
     return env
 

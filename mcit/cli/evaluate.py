@@ -123,3 +123,7 @@ def _main(argv: list[str] | None) -> int:
     except Exception as e:  # noqa: BLE001 - mapped to one line and an exit code (mcit.cli.common)
         return common.after_launch(e, plan.run_dir)
     return 0
+
+
+if __name__ == "__main__":  # python -m mcit.cli.evaluate (the command and pipelines/ start main too)
+    common.script(main)

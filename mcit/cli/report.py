@@ -5,7 +5,8 @@
 
 ``--zero-shot-of RUN`` adds a first column for the pre-trained backbone itself: the averages of that run's
 zero-shot row (the same test samples, nothing trained). A run with ``data.schedule: joint`` (the multi-task
-bound) is labelled ``multitask``.
+bound) is labelled ``multitask``. Runs that have not finished are left out, each named on stderr; exit 2 where
+none has.
 """
 
 from __future__ import annotations
@@ -26,11 +27,13 @@ def main(argv: list[str] | None = None) -> int:
     from mcit.studies.report import comparison
 
     try:
-        text = comparison(args.run_dirs, args.zero_shot_of)
-    except Exception as e:  # noqa: BLE001 - a missing or unfinished run: one line, exit 2
+        text, skipped = comparison(args.run_dirs, args.zero_shot_of)
+    except Exception as e:  # noqa: BLE001 - no finished run, or an unreadable one: one line, exit 2
         return common.before_launch(e)
     print(text)
     sys.stdout.flush()
+    for line in skipped:  # a glob over runs/ catches runs still going: named, not fatal
+        print(f"skipped {line}", file=sys.stderr)
     return 0
 
 

@@ -54,6 +54,7 @@ def _main(argv: list[str] | None) -> int:
     from mcit.data.loader import shutdown_workers
     from mcit.run.pipeline import Pipeline
 
+    dist.startup_moment("preflight")  # test seams only (mcit.core.distributed.on_startup)
     console.log_to(plan.run.logs / f"rank{os.environ.get('RANK', '0')}.log")
     with console.stdout_to_log("deepspeed"):  # its op builds print to stdout on every rank
         dist.init(timeout_s=cfg.train.collective_timeout_s)
@@ -65,6 +66,7 @@ def _main(argv: list[str] | None) -> int:
                         f"end, or stop it (its lock goes with it)")
         dist.shutdown()
         return common.BAD_INPUT
+    dist.startup_moment("run_locked")
 
     def resume_hint() -> str:
         done = (plan.run.read_state() or {}).get("completed") or ["nothing"]
@@ -83,3 +85,7 @@ def _main(argv: list[str] | None) -> int:
         print(summary_text(metrics, plan.run_dir))
     dist.shutdown()
     return 0
+
+
+if __name__ == "__main__":  # python -m mcit.cli.run (the command and pipelines/ start main too)
+    common.script(main)

@@ -21,6 +21,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--final", type=Path, default=None, help="the sweep of the chosen defaults on the test split")
     ap.add_argument("--out", type=Path, default=None, help="write <out>.md and the figures beside it")
     args = ap.parse_args(argv)
+    if not args.selection and args.final is None:
+        ap.error("nothing to tabulate: give --selection SWEEP ... and/or --final SWEEP")
     from mcit.studies.study import write_study
 
     try:

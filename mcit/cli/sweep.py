@@ -44,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wait", action="store_true", help="slurm: wait for the array, then aggregate")
     ap.add_argument("--dry-run", action="store_true", help="list the points and exit")
     args = ap.parse_args(argv)
+    if args.spec is None and not args.configs:
+        ap.error("nothing to sweep: give --spec FILE or --config C (repeatable)")
 
     from mcit.studies import launch, results
     from mcit.studies import spec as S

@@ -25,8 +25,8 @@ class _Strict(BaseModel):
 
 
 class BackboneConfig(_Strict):
-    """The frozen pre-trained model. ``path`` is a local directory in HF format (``config.json``), or a
-    hub id (``org/name``) where the machine has network."""
+    """The frozen pre-trained model. ``path`` is a local directory in HF format (``config.json``), or, with
+    ``hub: true``, a hub id (``org/name``) that transformers downloads (the machine needs network)."""
 
     kind: str = Field("vit", description="a registered backbone kind (mcit.models: vit, clip, and the multimodal "
                                          "LLM families llava, instructblip, qwen2_vl, qwen2_5_vl, qwen3_vl, internvl, "
@@ -36,6 +36,9 @@ class BackboneConfig(_Strict):
                                           "checkpoint file, converted once and checked), or a free-form name for "
                                           "an HF directory; recorded with the checkpoint's sha256")
     cache_dir: str = Field("data/backbones/converted", description="where converted zoo checkpoints are kept")
+    hub: bool = Field(False, description="let backbone.path (and a method's auxiliary backbones) be a model-hub id "
+                                         "that transformers downloads at run time; off, every path must be a local "
+                                         "directory and a missing one stops pre-flight")
     tokenizer: str | None = Field(None, description="CLIP from an OpenAI file: a directory with its tokenizer files")
     quantization: Literal["none", "4bit", "8bit"] = Field(
         "none", description="load the frozen backbone in 4-bit (nf4) or 8-bit through bitsandbytes")

@@ -12,8 +12,6 @@ import datetime
 import os
 import socket
 import sys
-import time
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -37,29 +35,16 @@ def default_accelerator() -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
 
 
-def prepare_extension_dir(stale_after_s: float | None = None) -> Path:
-    """Give DeepSpeed's JIT-built ops (shm comm, cpu_adam) a build directory of this environment's own
-    and remove build locks left by killed builds.
+# Test seam: functions called with the name of each start-up moment this module passes ("process_group": the
+# group exists, DeepSpeed's set-up and its op load not done yet); a test kills a launch there. The entry points add
+# none (the run's own moments: mcit.cli.run).
+on_startup: list[Callable[[str], None]] = []
 
-    torch builds an extension under ``<dir>/<name>/lock`` and every other process waits on that file
-    with no time limit, so one build killed mid-way (a preempted job, a cancelled CI run) hangs every
-    later run forever, and a shared ``~/.cache/torch_extensions`` spreads that between checkouts.
-    Builds take seconds to a few minutes; a lock older than ``stale_after_s`` (default 900 s,
-    ``MCIT_EXTENSION_LOCK_STALE_S``) is taken as left over and removed with a warning.
-    """
-    if "TORCH_EXTENSIONS_DIR" not in os.environ and os.access(sys.prefix, os.W_OK):
-        os.environ["TORCH_EXTENSIONS_DIR"] = str(Path(sys.prefix) / "torch_extensions")
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
-    stale = float(os.environ.get("MCIT_EXTENSION_LOCK_STALE_S", 900) if stale_after_s is None else stale_after_s)
-    for lock in [*root.glob("*/lock"), *root.glob("*/*/lock")]:
-        try:
-            age = time.time() - lock.stat().st_mtime
-            if age > stale:
-                lock.unlink()
-                warnings.warn(f"removed a stale extension build lock {lock} ({age:.0f} s old)", stacklevel=2)
-        except FileNotFoundError:
-            continue
-    return root
+
+def startup_moment(name: str) -> None:
+    """Call the ``on_startup`` hooks with ``name``."""
+    for hook in on_startup:
+        hook(name)
 
 
 def _from_srun() -> None:
@@ -81,7 +66,9 @@ def init(timeout_s: float = 1800.0) -> None:
     if dist.is_initialized():
         return
     default_accelerator()  # before DeepSpeed is imported: its own probing costs tens of seconds on CPU machines
-    prepare_extension_dir()
+    from mcit.core import extensions
+
+    extensions.extensions_root()
     if "RANK" not in os.environ and "SLURM_STEP_ID" in os.environ and int(os.environ.get("SLURM_NTASKS", 1)) > 1:
         _from_srun()
     if "RANK" not in os.environ:
@@ -96,6 +83,10 @@ def init(timeout_s: float = 1800.0) -> None:
         # where the rank-to-GPU mapping is not the identity) and says so on stderr at the first barrier
         bound = {"device_id": torch.device("cuda", local_rank())}
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **bound)
+    startup_moment("process_group")
+    # DeepSpeed's C++ ops under mcit's extension lock, before init_distributed asks for its shm op (it then finds
+    # the op loaded; the lock cannot be held through init_distributed, whose shm set-up waits for every rank)
+    extensions.load_ops(extensions.ops_for(None))
     # DeepSpeed reuses the existing group instead of creating its own.
     import deepspeed
 

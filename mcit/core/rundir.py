@@ -28,6 +28,15 @@ from pathlib import Path
 from typing import Any
 
 ZERO_SHOT = "zero_shot"
+# What the project itself puts in a run directory before the run writes its config: the Slurm scripts' launcher
+# logs and hostfiles (logs/), the run lock, a stop request (PREEMPT), a config write killed half-way. A start
+# killed at any of those moments leaves only these, and the same command then starts the run there.
+OWN_BEFORE_CONFIG = ("logs", "run.lock", "PREEMPT")
+
+
+def own_before_config(name: str) -> bool:
+    """Whether a file of that name in a run directory without config.yaml is one of the project's own."""
+    return name in OWN_BEFORE_CONFIG or name.startswith(".config.yaml.tmp")
 
 
 class RunDirError(ValueError):
@@ -218,11 +227,12 @@ class RunDir:
             raise RunDirError(
                 f"run directory {self.root} holds a run with a different config ({self.config}); "
                 f"use another run_dir (e.g. run_dir={self.root}_2) or restore the original config")
-        # logs/ alone may be there already: the Slurm job scripts put the launcher's per-rank logs in it
-        if self.root.exists() and not self.config.is_file() and any(p.name not in ("logs", "run.lock")
-                                                                    for p in self.root.iterdir()):
-            raise RunDirError(f"run directory {self.root} exists, is not empty and has no config.yaml; "
-                              f"refusing to write into it")
+        foreign = [p.name for p in self.root.iterdir() if not own_before_config(p.name)] \
+            if self.root.is_dir() and not self.config.is_file() else []
+        if foreign:
+            raise RunDirError(f"run directory {self.root} exists, holds {', '.join(sorted(foreign)[:3])}"
+                              f"{' ...' if len(foreign) > 3 else ''} and no config.yaml (not a run of this "
+                              f"project); refusing to write into it")
 
     def _same_config(self, cfg: Any) -> bool:
         from mcit.core.config import ConfigError, dump_config, read_yaml_mapping, validate_config

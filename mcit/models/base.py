@@ -57,6 +57,22 @@ def check_hf_dir(path: str | Path) -> dict:
         raise BackboneError(f"backbone config {cfg} is not valid JSON: {e}") from None
 
 
+def check_model_type(cls: type, path: str | Path, cfg: dict) -> None:
+    """The checkpoint's family (config.json ``model_type``) is one that backbone class loads: a CLIP directory
+    given to ``backbone.kind: llava`` is refused naming both, not left to a transformers error mid-load."""
+    from mcit.core.registry import BACKBONES
+
+    have = cfg.get("model_type")
+    want = getattr(cls, "model_types", ())
+    if not want or have in want:
+        return
+    kind = next((k for k in BACKBONES.names() if BACKBONES.get(k) is cls), cls.__name__)
+    fits = [k for k in BACKBONES.names() if have in getattr(BACKBONES.get(k), "model_types", ())]
+    raise BackboneError(f"backbone path {path} holds a {have!r} checkpoint (config.json model_type), but backbone.kind "
+                        f"{kind} loads {' or '.join(repr(t) for t in want)} checkpoints"
+                        + (f"; backbone.kind {fits[0]} loads this one" if fits else ""))
+
+
 def loading_problems(info: dict[str, Any], ignore_unexpected: tuple[str, ...] = ()) -> str | None:
     """What transformers' ``output_loading_info`` says did not load, in a few words; None when every weight
     loaded. ``ignore_unexpected``: key prefixes a backbone drops on purpose (the ViT pooler)."""
@@ -116,8 +132,10 @@ class Backbone(nn.Module, metaclass=ABCMeta):
     task_type: ClassVar[str] = "classification"
     # ``backbone:`` config keys (besides path) that ``from_path`` takes as keyword arguments
     load_options: ClassVar[tuple[str, ...]] = ()
-    # whether ``path`` may also be a model-hub id (machines with network): no directory to check or hash
+    # whether ``path`` may also be a model-hub id (with ``backbone.hub: true``): no directory to check or hash
     hub_ids: ClassVar[bool] = False
+    # the config.json model_type values this kind loads (empty: not checked)
+    model_types: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def check(cls, path: str | Path) -> None:
@@ -129,7 +147,7 @@ class Backbone(nn.Module, metaclass=ABCMeta):
     @classmethod
     def check_files(cls, path: str | Path) -> None:
         """The cheap part of ``check`` (files and config, no weights), also run before every load."""
-        check_hf_dir(path)
+        check_model_type(cls, path, check_hf_dir(path))
 
     @classmethod
     @abstractmethod

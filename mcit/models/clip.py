@@ -21,7 +21,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from mcit.core.registry import BACKBONES
-from mcit.models.base import BackboneError, PromptableImageEncoder, check_hf_dir, check_weights, strict_from_pretrained
+from mcit.models.base import (
+    BackboneError,
+    PromptableImageEncoder,
+    check_hf_dir,
+    check_model_type,
+    check_weights,
+    strict_from_pretrained,
+)
 
 
 @BACKBONES.register("clip")
@@ -30,6 +37,7 @@ class CLIPBackbone(PromptableImageEncoder):
     preprocessor config says otherwise)."""
 
     resample = 3  # PIL.Image.BICUBIC, as CLIP's image processor
+    model_types = ("clip",)
     default_mean = (0.48145466, 0.4578275, 0.40821073)
     default_std = (0.26862954, 0.26130258, 0.27577711)
 
@@ -51,10 +59,7 @@ class CLIPBackbone(PromptableImageEncoder):
     @classmethod
     def check_files(cls, path: str | Path) -> None:
         """An HF CLIP checkpoint directory with a tokenizer."""
-        cfg = check_hf_dir(path)
-        if cfg.get("model_type") != "clip":
-            raise BackboneError(f"backbone path {path}: config.json has model_type {cfg.get('model_type')!r}, "
-                                f"not 'clip'")
+        check_model_type(cls, path, check_hf_dir(path))
         p = Path(path)
         if not any((p / f).is_file() for f in ("tokenizer.json", "vocab.json", "tokenizer_config.json")):
             raise BackboneError(f"backbone path {path} has no tokenizer files (tokenizer.json or vocab.json)")

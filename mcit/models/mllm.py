@@ -29,17 +29,27 @@ from torch import nn
 
 from mcit.core.registry import BACKBONES
 from mcit.data.types import Batch
-from mcit.models.base import Backbone, BackboneError, check_weights, strict_from_pretrained
+from mcit.models.base import (
+    Backbone,
+    BackboneError,
+    check_hf_dir,
+    check_model_type,
+    check_weights,
+    strict_from_pretrained,
+)
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-def check_model_source(path: str) -> None:
-    """A local HF directory (config.json present) or, where the directory does not exist, a hub id."""
+def check_model_source(path: str, family: type | None = None) -> None:
+    """A local HF directory (config.json present, of ``family``'s model_type where given) or, where the directory
+    does not exist, a hub id (pre-flight lets one through only with ``backbone.hub: true``)."""
     p = Path(path)
     if p.exists():
         if not (p / "config.json").is_file():
             raise BackboneError(f"backbone path {path} has no config.json (not a transformers checkpoint directory)")
+        if family is not None:
+            check_model_type(family, path, check_hf_dir(path))
         return
     if not HUB_ID.match(path):
         raise BackboneError(f"backbone path not found: {path}")
@@ -158,8 +168,9 @@ class MLLMBackbone(Backbone):
 
     @classmethod
     def check_files(cls, path: str) -> None:
-        """A local HF directory (config.json present) or, where the directory does not exist, a hub id."""
-        check_model_source(path)
+        """A local HF directory (config.json present, of this family) or, where the directory does not exist, a
+        hub id."""
+        check_model_source(path, cls)
 
     @classmethod
     def tiny(cls, texts: list[str], seed: int = 0) -> tuple[nn.Module, Any]:

@@ -20,6 +20,7 @@ class ViTBackbone(PromptableImageEncoder):
     # the pooler is not used (prompt methods read the [CLS] token after the final norm): a checkpoint's pooler
     # weights are dropped on purpose
     DROPPED = ("pooler.",)
+    model_types = ("vit",)
 
     @classmethod
     def check(cls, path: str | Path) -> None:

@@ -16,6 +16,7 @@ import math
 import shutil
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -269,7 +270,14 @@ def setup_engine(cfg: RunConfig, method: Method, world: int, steps_per_epoch: in
     if cfg.train.lr_schedule != "constant":
         kwargs["lr_scheduler"] = functools.partial(make_scheduler, cfg, steps_per_epoch=steps_per_epoch,
                                                    epochs=epochs)
+    from mcit.core import extensions
+
+    preloaded = extensions.load_ops(extensions.ops_for(ds_cfg))  # under mcit's lock (mcit.core.extensions)
     engine, _, _, _ = deepspeed.initialize(**kwargs)
+    outside = extensions.loaded_ops() - set(preloaded) - {"deepspeed_shm_comm"}
+    if outside:  # DeepSpeed chose an op ops_for did not foresee: loaded under torch's unbounded lock only
+        warnings.warn(f"DeepSpeed loaded {', '.join(sorted(outside))} outside mcit's extension lock; "
+                      f"mcit.core.extensions.ops_for should name it", stacklevel=2)
     return engine, stage
 
 
@@ -364,10 +372,9 @@ class TaskTrainer:
             epoch0, micro0, gstep = info["epoch"], info["next_micro_step"], info["global_step"]
         bar = None
         if dist.is_main() and t.progress:
-            from tqdm.auto import tqdm
+            from mcit.core.progress import progress_bar
 
-            bar = tqdm(total=total_opt_steps, initial=gstep, desc=f"task {task} train", unit="step",
-                       dynamic_ncols=True, leave=False, mininterval=0.5 if sys.stderr.isatty() else 10.0)
+            bar = progress_bar(total_opt_steps, f"task {task} train", "step", initial=gstep)
         engine.train()
         seen, t_start = 0, time.perf_counter()
         loss_sum, valid_sum = 0.0, 0.0

@@ -9,7 +9,6 @@ sample, so the result does not depend on ``eval.batch_size``.
 from __future__ import annotations
 
 import functools
-import sys
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
@@ -88,10 +87,9 @@ def evaluate_tasks(method: Method, splits: list[Split], *, batch_size: int, poli
     counts = torch.zeros(len(splits), 2, dtype=torch.float64)
     bar = None
     if progress and dist.is_main():
-        from tqdm.auto import tqdm
+        from mcit.core.progress import progress_bar
 
-        bar = tqdm(total=sum(s.num_samples for s in splits), desc=desc, unit="sample", leave=False,
-                   dynamic_ncols=True, mininterval=0.5 if sys.stderr.isatty() else 10.0)
+        bar = progress_bar(sum(s.num_samples for s in splits), desc, "sample")
     for i, batch in eval_parts(splits, collates, rank=dist.rank(), world=dist.world_size(), batch_size=batch_size,
                                policy=policy, loader=loader):
         batch.allowed_classes = allowed_classes
@@ -149,10 +147,9 @@ def evaluate_generation(method: Method, splits: list[Split], *, batch_size: int,
     out: list[tuple[float, int]] = []
     bar = None
     if progress and dist.is_main():
-        from tqdm.auto import tqdm
+        from mcit.core.progress import progress_bar
 
-        bar = tqdm(total=sum(s.num_samples for s in splits), desc=desc, unit="sample", leave=False,
-                   dynamic_ncols=True, mininterval=0.5 if sys.stderr.isatty() else 10.0)
+        bar = progress_bar(sum(s.num_samples for s in splits), desc, "sample")
     from mcit.core import judge as J
 
     judged = [name in J.JUDGED for name in scorers]

@@ -25,10 +25,16 @@ from mcit.run.plan import Plan, ResolvedBackbone
 
 
 def resolve_backbone(kind: str, tag: str, path: str, cache_dir: str, tokenizer: str | None = None,
-                     options: dict[str, Any] | None = None) -> ResolvedBackbone:
-    """Resolve a checkpoint through the zoo (convert once, hash) and run the kind's pre-flight check."""
+                     options: dict[str, Any] | None = None, hub: bool = False) -> ResolvedBackbone:
+    """Resolve a checkpoint through the zoo (convert once, hash) and run the kind's pre-flight check. A path that
+    does not exist is a hub id only with ``hub`` (``backbone.hub: true``): otherwise a typo would be taken for one
+    and the run would start, make its directory and retry the network for minutes."""
     cls = backbone_class(kind)
-    if cls.hub_ids and not Path(path).exists():  # a hub id (machines with network): nothing to hash
+    if cls.hub_ids and not Path(path).exists() and not hub:
+        where = "" if Path(path).is_absolute() else f" (relative to {Path.cwd()})"
+        raise BackboneError(f"backbone path not found: {path}{where}; a local checkpoint directory is expected "
+                            f"(a model-hub id downloads only with backbone.hub: true)")
+    if cls.hub_ids and not Path(path).exists():  # a hub id (backbone.hub: true): nothing to hash
         record = {"tag": tag, "format": "hub", "source": path, "sha256": None, "loaded_from": path}
         directory = path
     else:
@@ -44,7 +50,8 @@ def _resolve_auxiliary(cfg: RunConfig, method_cls: Any) -> dict[str, ResolvedBac
     out = {}
     for name, spec in method_cls.auxiliary_backbones(cfg.method.params()).items():
         try:
-            out[name] = resolve_backbone(spec.kind, spec.tag, spec.path, cfg.backbone.cache_dir, spec.tokenizer)
+            out[name] = resolve_backbone(spec.kind, spec.tag, spec.path, cfg.backbone.cache_dir, spec.tokenizer,
+                                         hub=cfg.backbone.hub)
         except BackboneError as e:
             raise ConfigError(f"{spec.key or 'method.' + name}: {e}") from None
     return out
@@ -89,7 +96,7 @@ def preflight(cfg: RunConfig, base: Path | None = None, *, run_dir: Path | None 
     bb = cfg.backbone
     generative = bb.task_type == "generation"
     options = {k: getattr(bb, k) for k in backbone_class(bb.kind).load_options}
-    backbone = resolve_backbone(bb.kind, bb.tag, bb.path, bb.cache_dir, bb.tokenizer, options)
+    backbone = resolve_backbone(bb.kind, bb.tag, bb.path, bb.cache_dir, bb.tokenizer, options, hub=bb.hub)
     specs = cfg.data.resolved_tasks(base)
     train = [open_split(s.train, cfg.data.verify) for s in specs]
     test = [open_split(s.test, cfg.data.verify) for s in specs]

@@ -45,18 +45,41 @@ def label(m: dict) -> str:
     return "multitask" if m.get("schedule") == "joint" else m["method"]
 
 
-def comparison(run_dirs: list[Path], zero_shot_of: Path | None = None) -> str:
-    """Each run's accuracy matrix and summary, then (for several runs) one column per run: the method's name,
-    or the run's where runs share a method (Soft-TF's inference rules, VPT-NSP² on ViT and on CLIP)."""
+def unfinished(run_dir: Path) -> str | None:
+    """Why ``run_dir`` is not a finished run (not a run directory, or where its state ends), or None."""
+    rd = RunDir(run_dir)
+    if not rd.root.is_dir() or not (rd.config.is_file() or rd.state.is_file()):
+        return "not a run directory"
+    try:
+        state = rd.read_state()
+    except RunDirError as e:
+        return str(e)
+    if not (state and state.get("finished")) or not rd.metrics.is_file():
+        done = (state or {}).get("completed") or ["nothing"]
+        return f"unfinished (state.json ends at stage {done[-1]})"
+    return None
+
+
+def comparison(run_dirs: list[Path], zero_shot_of: Path | None = None) -> tuple[str, list[str]]:
+    """Each finished run's accuracy matrix and summary, then (for several runs) one column per run: the method's
+    name, or the run's where runs share a method (Soft-TF's inference rules, VPT-NSP² on ViT and on CLIP). A run
+    that has not finished (a glob over runs/ that catches one still running) is left out and named in the second
+    value; none finished is an error."""
     runs = [] if zero_shot_of is None else [("zero_shot", zero_shot_metrics(load(zero_shot_of)))]
-    parts = []
+    parts, skipped = [], []
     for d in run_dirs:
+        why = unfinished(d)
+        if why is not None:
+            skipped.append(f"{d}: {why}")
+            continue
         m = load(d)
         parts += [f"== {m['name']} ({m['method']}) ==", M.format_matrix(m["tasks"], m["acc_matrix"], m.get("zero_shot"),
                                                                        m.get("rows")), M.format_summary(m), ""]
         runs.append((label(m), m))
+    if not parts:
+        raise RunDirError(f"no finished run to report: {'; '.join(skipped)}")
     methods = [name for name, _ in runs]
     runs = [(m["name"] if methods.count(name) > 1 else name, m) for name, m in runs]
     if len(runs) > 1:
         parts.append(compare_table(runs))
-    return "\n".join(parts)
+    return "\n".join(parts), skipped

@@ -33,11 +33,22 @@ RANK_LOGS=$RUN_DIR/logs/ranks/job${SLURM_JOB_ID}_restart${SLURM_RESTART_COUNT:-0
 mkdir -p "$RANK_LOGS"
 echo "mcit: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on ${HOSTS[*]}: $NNODES node(s) x $PER_NODE rank(s), master $MASTER_ADDR:$MASTER_PORT, launcher $LAUNCHER, run dir $RUN_DIR"
 
-# Preemption / time limit: Slurm signals this batch shell (--signal=B:USR1@T, scancel --signal=USR1 --batch).
-# The request reaches every rank through the run directory; they stop after the same step (mcit.core.preemption).
+# Stop requests reach every rank through the run directory (PREEMPT); they stop after the same step with a step
+# checkpoint (mcit.core.preemption). Two kinds:
+#  - USR1 (the time-limit warning, --signal=B:USR1@T, or `scancel --signal=USR1 --batch JOB`): a preemption; the
+#    job requeues itself and resumes there. A TERM after a USR1 (the time limit itself) stays one.
+#  - TERM with no USR1 before it (`scancel JOB`): a cancel; the ranks stop, the job is not requeued. The same
+#    sbatch command later resumes from the last commit. (A preempting scheduler in REQUEUE mode requeues by itself.)
 PREEMPTED=
-request_stop() { PREEMPTED=1; echo "mcit: job $SLURM_JOB_ID got a stop signal; asking the ranks to checkpoint" >&2; touch "$RUN_DIR/PREEMPT"; }
-trap request_stop USR1 TERM
+CANCELLED=
+request_stop() { PREEMPTED=1; echo "mcit: job $SLURM_JOB_ID got a stop signal (USR1); asking the ranks to checkpoint, then requeueing" >&2; touch "$RUN_DIR/PREEMPT"; }
+request_cancel() {
+  if [ -n "$PREEMPTED" ]; then return; fi  # the time limit after its warning: still a preemption
+  CANCELLED=1; echo "mcit: job $SLURM_JOB_ID cancelled (TERM without a time-limit warning): stopping the ranks, not requeueing" >&2
+  touch "$RUN_DIR/PREEMPT"
+}
+trap request_stop USR1
+trap request_cancel TERM
 
 launch() {  # the command line of one node's launcher ($1: node rank, or the literal \$SLURM_NODEID)
   local node_rank=$1
@@ -57,13 +68,28 @@ if [ "$LAUNCHER" = deepspeed ]; then
   for h in "${HOSTS[@]}"; do echo "$h slots=$PER_NODE"; done > "$RUN_DIR/logs/hostfile.$SLURM_JOB_ID"
 fi
 
+FOLLOW=
+follow_rank0() {  # the deepspeed launcher writes each rank's output to its own file: rank 0's goes on into this
+  # job's output too (slurm-<id>.out), so its progress lines and committed rows are where a cluster user looks
+  [ "$LAUNCHER" = deepspeed ] || return 0  # torchrun's --tee already copies every rank's output here
+  ( while :; do
+      f=$(ls "$RANK_LOGS"/*_rank0.log 2>/dev/null | head -n 1)
+      [ -n "$f" ] && exec tail -n +1 -F "$f" 2>/dev/null
+      sleep 0.5
+    done ) &
+  FOLLOW=$!
+}
+stop_following() { [ -n "$FOLLOW" ] || return 0; sleep 1; kill "$FOLLOW" 2>/dev/null; wait "$FOLLOW" 2>/dev/null; FOLLOW=; }
+
 run_and_wait() {  # run "$@" in the background so the trap fires at once; wait through the trap
+  follow_rank0
   "$@" &
   local pid=$! rc
   while :; do
     wait "$pid"; rc=$?
     kill -0 "$pid" 2>/dev/null || break
   done
+  stop_following
   return "$rc"
 }
 
@@ -71,6 +97,10 @@ finish() {  # requeue on "resume me" (exit 75) or a stop request before the run 
   local rc=$1
   if grep -q '"finished": true' "$RUN_DIR/state.json" 2>/dev/null; then
     echo "mcit: run finished (exit $rc)"; exit "$rc"
+  fi
+  if [ -n "$CANCELLED" ]; then
+    echo "mcit: job $SLURM_JOB_ID cancelled; not requeued. Resubmit the same command to resume from the last commit" >&2
+    exit "$rc"
   fi
   if [ "$rc" -eq 75 ] || [ -n "$PREEMPTED" ]; then
     if [ "${SLURM_RESTART_COUNT:-0}" -ge "${MCIT_MAX_REQUEUES:-20}" ]; then

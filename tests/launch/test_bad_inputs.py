@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +26,8 @@ class Bad:
     rc: int = 2
     launched: bool = False  # a process (a launcher) rather than main(argv) in this process
     also: list[str] = field(default_factory=list)  # more text the stderr must hold
+    absent: Path | None = None  # a run directory the case must not create
+    within_s: float | None = None  # must stop this fast (no network retries)
 
 
 @pytest.fixture(scope="module")
@@ -245,6 +248,26 @@ def build_case(case: str, assets, work: Path, cfg: Path, done: Path, open_dir: P
     if case == "backbone_broken_config":
         (backbone / "config.json").write_text("{")
         return run([f"backbone.path={backbone}"], str(backbone))
+    if case == "backbone_path_typo":  # an MLLM kind, where a missing path used to be taken for a hub id: 144 s of
+        # retries, exit 1 and a run directory left behind
+        fresh = work / "runs" / "fresh_typo"
+        return Bad("run_task_sequence", ["--config", str(cfg), f"run_dir={fresh}", "backbone.kind=llava",
+                                         "backbone.path=backbones/tiny_lava", "data.train_transform=backbone",
+                                         "data.eval_transform=backbone"],
+                   "backbone path not found: backbones/tiny_lava (relative to", also=["backbone.hub: true"],
+                   absent=fresh, within_s=30)
+    if case == "backbone_of_another_family":  # a CLIP directory given to kind llava: named, not a transformers error
+        conf = json.loads((backbone / "config.json").read_text())
+        (backbone / "config.json").write_text(json.dumps({**conf, "model_type": "clip"}))
+        fresh = work / "runs" / "fresh_family"
+        return Bad("run_task_sequence", ["--config", str(cfg), f"run_dir={fresh}", "backbone.kind=llava",
+                                         f"backbone.path={backbone}", "data.train_transform=backbone",
+                                         "data.eval_transform=backbone"],
+                   f"backbone path {backbone} holds a 'clip' checkpoint (config.json model_type), but backbone.kind "
+                   f"llava loads 'llava' checkpoints; backbone.kind clip loads this one", absent=fresh)
+    if case == "report_of_unfinished_runs_only":  # a glob over runs/ that catches only runs still going
+        return Bad("mcit.cli.report", [str(open_dir), str(work / "runs" / "no_such_run")], "no finished run to report",
+                   also=[f"{open_dir}: unfinished (state.json ends at stage 1/eval)", "not a run directory"])
     if case == "backbone_broken_weights":  # pre-flight reads the weights' header (strict loading): exit 2, launched
         f = next(backbone.glob("*.safetensors"))
         f.write_bytes(f.read_bytes()[:100])
@@ -343,6 +366,7 @@ CASES = [
     "manifest_count_mismatch", "missing_data_root", "corrupted_shard_same_size", "sample_missing_member",
     "sample_label_of_another_task",
     "missing_backbone", "backbone_without_config", "backbone_broken_config", "backbone_broken_weights",
+    "backbone_path_typo", "backbone_of_another_family", "report_of_unfinished_runs_only",
     "evaluate_not_a_run", "evaluate_no_checkpoint", "evaluate_bad_checkpoint_arg", "evaluate_unknown_task",
     "evaluate_write_rows_subset", "evaluate_batch_size_0", "evaluate_lmms_unknown_task", "cifar_missing_fine_labels",
     "cifar_missing_raw",
@@ -359,10 +383,12 @@ def test_bad_input_stops_in_one_line_naming_the_culprit(case, assets, work, fini
     cfg, done, open_dir = finished
     bad = build_case(case, assets, work, cfg, done, open_dir)
     before = snapshot(done), snapshot(open_dir)
+    t0 = time.monotonic()
     if bad.launched:
         res = launch(bad.args, launcher="python")
     else:
         res = run_main(bad.args, entry=bad.entry)
+    took = time.monotonic() - t0
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     shown = "\n".join(lines[-20:])
     assert res.returncode == bad.rc, f"exit {res.returncode}\n{shown}"
@@ -373,4 +399,6 @@ def test_bad_input_stops_in_one_line_naming_the_culprit(case, assets, work, fini
     for text in bad.also:
         assert text in res.stderr, shown
     assert (snapshot(done), snapshot(open_dir)) == before
+    assert bad.absent is None or not bad.absent.exists(), f"{bad.absent} was created"
+    assert bad.within_s is None or took < bad.within_s, f"took {took:.0f} s"
     print(f"CASE {case} (exit {res.returncode}): {errors[0]}")  # `pytest -rP ... | grep CASE`: the note's list

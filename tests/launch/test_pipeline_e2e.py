@@ -496,10 +496,22 @@ def _wait_for(path, timeout=180):
     raise AssertionError(f"{path} did not appear")
 
 
+def _wait_for_any(marker: Path, timeout: float = 180) -> None:
+    """Until some rank wrote ``<marker>.<rank>`` (mcit's start-up seams: tests/launch/workers/faulty_run.py)."""
+    import time
+
+    end = time.time() + timeout
+    while not list(marker.parent.glob(marker.name + ".*")):
+        assert time.time() < end, f"no {marker}.<rank> after {timeout} s"
+        time.sleep(0.1)
+
+
 def test_one_live_launch_per_run_dir_and_a_killed_one_leaves_no_lock(assets, work, reference_run):
     """A second 2-rank launch on a run directory in use stops at once naming the first (its pid); the first
-    finishes with the uninterrupted run's matrix. After a SIGKILL of every process of a launch, a new launch
-    takes the directory over with no manual step and ends with the same matrix."""
+    finishes with the uninterrupted run's matrix. After a SIGKILL of every process of a launch -- during the
+    process-group set-up, before the config is written, while training, inside DeepSpeed's op load with torch's
+    build lock taken -- the same command takes the directory over with no manual step (a stale build lock removed
+    and named) and ends with the same matrix."""
     import os
     import signal
     import time
@@ -525,12 +537,39 @@ def test_one_live_launch_per_run_dir_and_a_killed_one_leaves_no_lock(assets, wor
     assert first.returncode == 0, err[-2000:]
     assert json.loads((run_dir / "metrics.json").read_text())["acc_matrix"] == ref
 
+    # The same command after a SIGKILL of the whole launch at each moment of start-up and while training; every
+    # start finds what the killed one left (logs/, run.lock, torch's build lock) and goes on; the last finishes
+    # with the uninterrupted matrix. DeepSpeed's ops from a copy of this environment's build directory, so the
+    # stale lock made here is this test's alone.
+    from mcit.core.extensions import extensions_root
+
+    ext = work / "torch_extensions"
+    shutil.copytree(extensions_root(), ext, ignore=shutil.ignore_patterns("lock", "mcit.flock"))
     cfg = tiny_config(assets, work, "locked_kill")
     run_dir = work / "runs" / "locked_kill"
-    victim = _start(cfg, MCIT_TEST_PAUSE="0:2:60")
+    torch_lock = ext / "deepspeed_shm_comm" / "lock"
+
+    def kill_at(moment: str) -> str:
+        marker = work / f"startup_{moment}"
+        victim = _start(cfg, MCIT_TEST_STARTUP_PAUSE=f"{moment}:{marker}", TORCH_EXTENSIONS_DIR=str(ext))
+        _wait_for_any(marker)
+        os.killpg(victim.pid, signal.SIGKILL)
+        return victim.communicate(timeout=60)[1]
+
+    kill_at("process_group")  # the group up, DeepSpeed's set-up not done
+    kill_at("run_locked")  # the run directory locked, the config not written
+    assert not (run_dir / "config.yaml").exists() and (run_dir / "logs").is_dir()
+    victim = _start(cfg, MCIT_TEST_PAUSE="0:2:60", TORCH_EXTENSIONS_DIR=str(ext))
     _wait_for(run_dir / "logs" / "train.jsonl")  # killed while training (asleep after step 2)
     os.killpg(victim.pid, signal.SIGKILL)
     victim.communicate(timeout=60)
-    res = launch(["--config", str(cfg)], launcher="deepspeed", nproc=2)
+    kill_at("ops_locked")  # inside the extension lock, torch's own build lock taken
+    assert torch_lock.is_file()  # what hung every later launch before (FileBaton.wait, no time limit)
+    t0 = time.time()
+    res = launch(["--config", str(cfg)], launcher="deepspeed", nproc=2, TORCH_EXTENSIONS_DIR=str(ext))
     assert res.returncode == 0, res.stderr[-3000:]
+    assert f"removed the extension build lock {torch_lock}" in res.stderr, res.stderr[-3000:]
+    assert not torch_lock.exists()
     assert json.loads((run_dir / "metrics.json").read_text())["acc_matrix"] == ref
+    print(f"\n== after kills at process_group, run_locked, step 2 of task 0 and ops_locked: finished in "
+          f"{time.time() - t0:.0f} s; " + next(ln for ln in res.stderr.splitlines() if "removed the extension" in ln))

@@ -85,30 +85,62 @@ def _metrics(run_dir: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def slurm_config(assets, tmp_path_factory):
-    """2 tasks, 3 epochs: long enough (about 65 optimizer steps) to be signalled mid-training."""
+    """2 tasks, 3 epochs: long enough (about 65 optimizer steps) to be signalled mid-training; progress on (plain
+    lines in slurm-<id>.out)."""
     work = tmp_path_factory.mktemp("slurm_runs")
     return lambda name: tiny_config(assets, work, name, data={"tasks": ["task0", "task1"]},
-                                    train={"epochs": 3, "log_every": 1}), work
+                                    train={"epochs": 3, "log_every": 1, "progress": True}), work
 
 
 @pytest.fixture(scope="module")
 def one_node_run(slurm, slurm_config):
+    """The one-node run, submitted twice with the same command: the first job cancelled with a plain ``scancel``
+    as soon as the script has started (its logs/ exist, the run's config not yet), which must leave it
+    CANCELLED, not requeued; the second finishes there. Its matrix is the uninterrupted one: the two-node runs
+    below (never interrupted) must match it."""
     make, work = slurm_config
+    run_dir = work / "runs" / "one_node"
+    cancelled = _sbatch(slurm, "one_node.sbatch", make("one_node"), MCIT_GPUS_PER_NODE="2")
+    t0 = time.time()
+    while not (run_dir / "logs" / "ranks" / f"job{cancelled}_restart0").is_dir():
+        assert time.time() - t0 < 120, _log(slurm, cancelled)
+        time.sleep(0.1)
+    assert not (run_dir / "config.yaml").exists()
+    r = subprocess.run(["scancel", str(cancelled)], env=slurm["env"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    while "not requeued" not in _log(slurm, cancelled):  # the batch script has ended: it did not requeue
+        assert time.time() - t0 < 120, _log(slurm, cancelled)
+        time.sleep(0.2)
+    time.sleep(1)
+    info = _job(slurm, cancelled)
+    assert (info["JobState"], info["Restarts"]) == ("CANCELLED", "0"), (info, _log(slurm, cancelled))
+    assert not (run_dir / "config.yaml").exists()  # killed before the run wrote its config
     job = _sbatch(slurm, "one_node.sbatch", make("one_node"), MCIT_GPUS_PER_NODE="2")
     info = _wait(slurm, job)
     assert info["JobState"] == "COMPLETED", _log(slurm, job)[-3000:]
-    return job, work / "runs" / "one_node"
+    return job, run_dir, cancelled
 
 
 def test_one_node_script_runs_the_sequence(slurm, one_node_run):
-    job, run_dir = one_node_run
+    """Also: the cancelled first job (fixture) said why it did not requeue, and slurm-<id>.out of the finished
+    job holds rank 0's progress lines (not a terminal: plain lines, mcit.core.progress) and the committed rows."""
+    job, run_dir, cancelled = one_node_run
     m = _metrics(run_dir)
     assert m["complete"] and final_training_loss(run_dir) < TRAINED_LOSS
     log = _log(slurm, job)
     assert f"job {job} (restart 0)" in log and "1 node(s) x 2 rank(s)" in log and "mcit: run finished" in log
     ranks = run_dir / "logs" / "ranks" / f"job{job}_restart0"
     assert len(list(ranks.glob("*"))) >= 2  # one log per rank
-    print(f"\n== job {job} (one node, 2 ranks): acc_matrix {m['acc_matrix']}, final_avg_acc {m['final_avg_acc']:.2f}")
+    assert "cancelled (TERM without a time-limit warning)" in _log(slurm, cancelled)
+    assert f"requeueing job {cancelled}" not in _log(slurm, cancelled)
+    for t in range(2):
+        assert re.search(rf"^task {t} train: 100% (\d+)/\1 \[.*step/s, loss=\d", log, re.M), log[-3000:]
+        assert re.search(rf"^task {t} \(task{t}\) committed: acc on seen tasks(?: \d+\.\d){{{t + 1}}}$",
+                         log, re.M), log[-3000:]
+        assert re.search(rf"^task {t} eval: 100% (\d+)/\1 \[.*sample/s", log, re.M), log[-3000:]
+    print(f"\n== job {job} (one node, 2 ranks) after job {cancelled} was cancelled before its config: acc_matrix "
+          f"{m['acc_matrix']}, final_avg_acc {m['final_avg_acc']:.2f}\n" + "\n".join(
+              ln for ln in log.splitlines() if " train: " in ln or "committed" in ln))
 
 
 @pytest.mark.parametrize("launcher", ["deepspeed", "torchrun"])
@@ -120,7 +152,7 @@ def test_multi_node_script_on_two_nodes_matches_one_node(slurm, slurm_config, on
     assert info["JobState"] == "COMPLETED", _log(slurm, job)[-3000:]
     assert info["NodeList"] == "n[1-2]" and "2 node(s) x 1 rank(s), master n1" in _log(slurm, job)
     got = _metrics(work / "runs" / f"two_nodes_{launcher}")
-    assert got["acc_matrix"] == _metrics(one_node_run[1])["acc_matrix"]
+    assert got["acc_matrix"] == _metrics(one_node_run[1])["acc_matrix"]  # = the cancelled-then-resubmitted run
     print(f"\n== job {job} ({launcher}, NodeList {info['NodeList']}): acc_matrix {got['acc_matrix']}, "
           f"final_avg_acc {got['final_avg_acc']:.2f}")
 
@@ -162,7 +194,7 @@ def test_usr1_mid_training_checkpoints_requeues_and_resumes(slurm, slurm_config,
 def test_evaluate_under_srun_on_two_nodes_reproduces_the_rows(slurm, one_node_run):
     """pipelines/evaluate.py started by ``srun -N2 -n2`` directly (ranks from SLURM_PROCID): the
     one-node run's rows, evaluated on two nodes."""
-    _, run_dir = one_node_run
+    _, run_dir, _ = one_node_run
     r = subprocess.run(["srun", "-N", "2", "-n", "2", sys.executable, str(ROOT / "pipelines" / "evaluate.py"),
                         "--run", str(run_dir), "--task-checkpoint", "all"], cwd=ROOT, env=slurm["env"],
                        capture_output=True, text=True, timeout=300)

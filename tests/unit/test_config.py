@@ -140,6 +140,23 @@ def test_a_run_dir_written_before_a_new_config_key_still_resumes(tmp_path):
         RunDir(run_dir).check_belongs_to(cfg)
 
 
+def test_what_the_project_writes_before_the_config_never_makes_a_run_dir_foreign(tmp_path):
+    """A start killed before the config is written leaves the Slurm scripts' logs and hostfiles, the run lock, a
+    stop request or a half-written config: the same command starts there. Anything else is refused, named."""
+    from mcit.core.rundir import RunDir, RunDirError
+
+    cfg = load_config(write(tmp_path, BASE, "r.yaml"))
+    run_dir = tmp_path / "run"
+    (run_dir / "logs" / "ranks" / "job7_restart0").mkdir(parents=True)
+    (run_dir / "logs" / "hostfile.7").write_text("n1 slots=1\n")
+    for name in ("PREEMPT", "run.lock", ".config.yaml.tmp4242"):
+        (run_dir / name).write_text("")
+    RunDir(run_dir).check_belongs_to(cfg)
+    (run_dir / "notes.txt").write_text("mine")
+    with pytest.raises(RunDirError, match=r"holds notes.txt and no config.yaml"):
+        RunDir(run_dir).check_belongs_to(cfg)
+
+
 def test_input_paths_are_kept_absolute_method_paths_included(tmp_path, monkeypatch):
     """Relative input paths are relative to the launch directory and stored absolute (the run directory's
     config.yaml then reads the same files from anywhere); STAR-Prompt's method.clip_path too when it exists

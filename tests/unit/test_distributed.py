@@ -3,25 +3,71 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 
 import pytest
 
-from mcit.core.distributed import prepare_extension_dir
+from mcit.core import extensions as E
+
+HOLD = """import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
+fcntl.flock(fd, fcntl.LOCK_EX)
+os.write(fd, b'{"pid": %d, "host": "h", "since": 0}' % os.getpid())
+print("held", flush=True)
+time.sleep(120)
+"""
 
 
-def test_stale_extension_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch):
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    old = tmp_path / "deepspeed_shm_comm" / "lock"
-    fresh = tmp_path / "py311_cpu" / "cpu_adam" / "lock"
-    for f in (old, fresh):
+def _holder(path):
+    p = subprocess.Popen([sys.executable, "-c", HOLD, str(path)], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "held"
+    return p
+
+
+def test_torch_locks_left_by_a_killed_process_go_under_mcit_s_lock_and_are_named(tmp_path):
+    """A torch build lock under the extensions root, however fresh, is removed once mcit's flock is held (no live
+    mcit process can be inside torch's window then), and each removal names the file."""
+    locks = [tmp_path / "deepspeed_shm_comm" / "lock", tmp_path / "py311_cpu" / "cpu_adam" / "lock"]
+    for f in locks:
         f.parent.mkdir(parents=True)
         f.touch()
-    hour_ago = time.time() - 3600
-    os.utime(old, (hour_ago, hour_ago))
-    with pytest.warns(UserWarning, match="stale extension build lock"):
-        assert prepare_extension_dir(stale_after_s=900) == tmp_path
-    assert not old.exists() and fresh.exists()
+    said = []
+    with E.extension_lock(tmp_path, timeout_s=5, say=said.append) as root:
+        assert root == tmp_path and not any(f.exists() for f in locks)
+    assert len(said) == 2 and all(str(f) in line for f, line in zip(sorted(locks), said))
+
+
+def test_a_live_holder_bounds_the_wait_and_a_killed_one_frees_the_lock_at_once(tmp_path):
+    """Another process holding the lock: the wait ends after the timeout in one line naming the file and the
+    holder's pid. SIGKILL that process: the kernel drops its lock and the next taker gets it without waiting."""
+    holder = _holder(tmp_path / E.LOCK_FILE)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(E.ExtensionLockError) as e:
+            with E.extension_lock(tmp_path, timeout_s=1.0, say=lambda s: None):
+                pass
+        took = time.monotonic() - t0
+        assert 1.0 <= took < 5.0, took
+        msg = str(e.value)
+        assert str(tmp_path / E.LOCK_FILE) in msg and f"pid {holder.pid}" in msg and "\n" not in msg
+    finally:
+        holder.kill()
+        holder.wait()
+    t0 = time.monotonic()
+    with E.extension_lock(tmp_path, timeout_s=1.0):
+        assert time.monotonic() - t0 < 0.5
+
+
+def test_the_ops_a_deepspeed_json_makes_deepspeed_load():
+    assert E.ops_for(None) == ["ShareMemCommBuilder"]
+    offload = {"optimizer": {"type": "AdamW"},
+               "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
+    assert E.ops_for(offload) == ["ShareMemCommBuilder", "CPUAdamBuilder"]
+    assert E.ops_for({"optimizer": {"type": "Adam"}}) == ["ShareMemCommBuilder", "FusedAdamBuilder"]
+    assert E.ops_for({"optimizer": {"type": "Adam", "params": {"torch_adam": True}}}) == ["ShareMemCommBuilder"]
+    assert E.ops_for({"optimizer": {"type": "SGD"}}) == ["ShareMemCommBuilder"]
 
 
 def test_extension_dir_defaults_to_this_environment(monkeypatch):
@@ -29,7 +75,7 @@ def test_extension_dir_defaults_to_this_environment(monkeypatch):
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "recorded so that the test's change is undone")
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
-    root = prepare_extension_dir()
+    root = E.extensions_root()
     if os.access(sys.prefix, os.W_OK):
         assert str(root).startswith(sys.prefix)
     assert os.environ.get("TORCH_EXTENSIONS_DIR", str(root)) == str(root)

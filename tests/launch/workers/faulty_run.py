@@ -17,6 +17,13 @@ once (the first micro-batch of that step), through the test-only seam ``mcit.run
 
     MCIT_TEST_PAUSE=task:step:seconds[:release_file]  sleeps on every rank after that optimizer step (a slow
     run, results unchanged), at most ``seconds``, ending early once ``release_file`` exists.
+
+    MCIT_TEST_STARTUP_PAUSE=moment:marker  stops every rank at a start-up moment for 300 s, after writing
+    ``marker.<rank>``, so a test can SIGKILL the launch there: ``preflight`` (checked, nothing written),
+    ``ops_locked`` (inside mcit's extension lock with torch's own build lock taken, as torch takes it to build
+    or check an op: ``torch.utils.file_baton``), ``process_group`` (the group up, DeepSpeed's set-up not done),
+    ``run_locked`` (the run directory locked, its config not written yet). Through ``mcit.core.distributed.
+    on_startup`` and ``mcit.core.extensions.while_locked``.
 """
 
 from __future__ import annotations
@@ -82,6 +89,32 @@ def install_pause(spec: str) -> None:
                 time.sleep(0.2)
 
 
+def install_startup_pause(spec: str) -> None:
+    import time
+
+    moment, marker = spec.split(":", 1)
+
+    def stop(rank: str) -> None:
+        Path(f"{marker}.{rank}").write_text(str(os.getpid()))
+        time.sleep(300)
+
+    if moment == "ops_locked":
+        from torch.utils.file_baton import FileBaton
+
+        from mcit.core.extensions import while_locked
+
+        def inside(root: Path) -> None:  # torch's own lock, taken as _jit_compile takes it
+            (root / "deepspeed_shm_comm").mkdir(parents=True, exist_ok=True)
+            assert FileBaton(str(root / "deepspeed_shm_comm" / "lock")).try_acquire()
+            stop(os.environ.get("RANK", "0"))
+
+        while_locked.append(inside)
+    else:
+        from mcit.core.distributed import on_startup
+
+        on_startup.append(lambda name: stop(os.environ.get("RANK", "0")) if name == moment else None)
+
+
 def install_write_fail(spec: str) -> None:
     import errno
 
@@ -102,6 +135,8 @@ def install_write_fail(spec: str) -> None:
 if __name__ == "__main__":
     if os.environ.get("MCIT_TEST_WRITE_FAIL"):
         install_write_fail(os.environ["MCIT_TEST_WRITE_FAIL"])
+    if os.environ.get("MCIT_TEST_STARTUP_PAUSE"):
+        install_startup_pause(os.environ["MCIT_TEST_STARTUP_PAUSE"])
     if os.environ.get("MCIT_TEST_PAUSE"):
         install_pause(os.environ["MCIT_TEST_PAUSE"])
     if os.environ.get("MCIT_TEST_FAULT"):
