@@ -400,6 +400,12 @@ def _image_ref(item: dict, rid: str, where: Path, images: Path | None) -> tuple[
         return "bytes", img["bytes"]
     if isinstance(img, dict):
         img = img.get("path")
+    if isinstance(img, (list, tuple)) and len(img) == 1:
+        img = img[0]  # a one-image list is one image
+    if isinstance(img, (list, tuple)):  # the pipeline's samples hold one image each (mcit.data.types.Batch)
+        raise RecordError(rid, where, f"record has {len(img)} images ({', '.join(map(repr, img[:3]))}"
+                                      f"{' ...' if len(img) > 3 else ''}); multi-image records are not supported: "
+                                      f"leave them out of the split, or make one record per image")
     if not img:
         raise RecordError(rid, where, "record has an empty image")
     if images is None:
@@ -506,6 +512,7 @@ def benchmark_main(benchmark: str, presets: list[TaskPreset], doc: str, argv: li
     ``unsupported``: tasks of the benchmark that cannot be converted, with the reason given when asked for."""
     import sys
 
+    from data_prep import inference_prompts
     from data_prep.common import converter_arguments, run_cli
 
     by_name = {p.name: p for p in presets} | {p.folder.lower(): p for p in presets}
@@ -517,6 +524,9 @@ def benchmark_main(benchmark: str, presets: list[TaskPreset], doc: str, argv: li
                     help="TASK=FILE: original annotation file joined on question_id into the test split")
     ap.add_argument("--out", type=Path, default=Path(f"data/shards/{benchmark}"))
     ap.add_argument("--limit", type=int, default=0, help="convert only the first N samples per split (0 = all)")
+    ap.add_argument("--inference-prompts", choices=["official", "none"], default="official",
+                    help="official: test questions as the benchmark's evaluation script asks them (its added "
+                         "instruction, data_prep/inference_prompts.py); none: the test file's text as it is")
 
     def build(args: Any) -> None:
         names = [p.name for p in presets] if args.task == ["all"] else args.task
@@ -556,9 +566,13 @@ def benchmark_main(benchmark: str, presets: list[TaskPreset], doc: str, argv: li
                 images = args.images or (f.parent if preset.images_here else None)
                 todo.append((preset, split, f, a, *specs_of(f, images, a, args.on_error)))
         for preset, split, f, a, specs, skipped in todo:
+            extra = None
+            if split == "test" and args.inference_prompts == "official":
+                rule = inference_prompts.official(benchmark, preset.name)
+                specs, extra = inference_prompts.apply_to_specs(specs, rule), {"inference_prompt": rule.record()}
             m = write_planned(specs, skipped, f, args.out / preset.name / split, scorer=preset.scorer, annotations=a,
                               shard_size=args.shard_size, workers=args.workers, on_error=args.on_error,
-                              progress=not args.no_progress, task=preset.name, limit=args.limit)
+                              progress=not args.no_progress, task=preset.name, limit=args.limit, extra=extra)
             print(f"{preset.name}/{split}: {m['num_samples']} samples in {len(m['shards'])} shards "
                   f"(scorer {preset.scorer}, skipped {m['skipped'] + m['source_skipped']})", file=sys.stderr)
 

@@ -86,6 +86,7 @@ def after_launch(e: BaseException, run_root: Path | None, *, resume_hint: Callab
     from mcit.core import distributed as dist
     from mcit.core import preemption
     from mcit.core.checkpoint import WriteError
+    from mcit.core.locks import LockTimeout
     from mcit.data.shards import DataError
     from mcit.models.base import BackboneError
     from mcit.run.engine import NonFiniteError
@@ -97,7 +98,7 @@ def after_launch(e: BaseException, run_root: Path | None, *, resume_hint: Callab
                   file=sys.stderr)
         dist.shutdown()
         return preemption.RESUME_EXIT_CODE
-    if isinstance(e, (DataError, BackboneError, CollectiveError)):  # this rank's own failure: it says so
+    if isinstance(e, (DataError, BackboneError, CollectiveError, LockTimeout)):  # this rank's own failure: it says so
         print(f"error (rank {dist.rank()}): {e}", file=sys.stderr)
         return FAILED
     if isinstance(e, NonFiniteError):  # every rank agreed on it: one line

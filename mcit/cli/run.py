@@ -56,8 +56,11 @@ def _main(argv: list[str] | None) -> int:
 
     dist.startup_moment("preflight")  # test seams only (mcit.core.distributed.on_startup)
     console.log_to(plan.run.logs / f"rank{os.environ.get('RANK', '0')}.log")
-    with console.stdout_to_log("deepspeed"):  # its op builds print to stdout on every rank
-        dist.init(timeout_s=cfg.train.collective_timeout_s)
+    try:
+        with console.stdout_to_log("deepspeed"):  # its op builds print to stdout on every rank
+            dist.init(timeout_s=cfg.train.collective_timeout_s)
+    except Exception as e:  # noqa: BLE001 - e.g. DeepSpeed's op lock held too long: one line (mcit.cli.common)
+        return common.after_launch(e, plan.run_dir)
     lock = plan.run.lock
     holder = lock.acquire() if dist.is_main() else None
     if not dist.all_ok(holder is None):

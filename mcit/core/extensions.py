@@ -18,10 +18,7 @@ A process outside mcit that builds into the same directory does not take mcit's 
 
 from __future__ import annotations
 
-import fcntl
-import json
 import os
-import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -29,14 +26,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from mcit.core.locks import LockTimeout, flock_within
+
+ExtensionLockError = LockTimeout  # the name this module's callers and tests use
+
 LOCK_FILE = "mcit.flock"
 # Test seam: functions called with the extensions root while the lock is held, before the ops load (a test holds
 # a launch there to kill it inside the window; tests/launch/workers/faulty_run.py). The entry points add none.
 while_locked: list[Callable[[Path], None]] = []
-
-
-class ExtensionLockError(RuntimeError):
-    """The extension lock could not be taken in time (one line: the file, its holder, what to do)."""
 
 
 def extensions_root() -> Path:
@@ -50,14 +47,6 @@ def extensions_root() -> Path:
 
 def _say(text: str) -> None:
     print(f"mcit: {text}", file=sys.stderr, flush=True)
-
-
-def _holder(path: Path) -> str:
-    try:
-        d = json.loads(path.read_text() or "{}")
-        return f"pid {d['pid']} on {d['host']} since {time.strftime('%H:%M:%S', time.localtime(d['since']))}"
-    except (OSError, ValueError, KeyError, TypeError):
-        return "a process that has not written its name yet"
 
 
 def clear_torch_locks(root: Path, say: Callable[[str], None] = _say) -> list[Path]:
@@ -86,25 +75,7 @@ def extension_lock(root: Path | None = None, timeout_s: float | None = None,
     path = root / LOCK_FILE
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
     try:
-        t0, said = time.monotonic(), False
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                waited = time.monotonic() - t0
-                if waited >= timeout:
-                    raise ExtensionLockError(
-                        f"extension lock {path}: still held by {_holder(path)} after {waited:.0f} s (loading "
-                        f"DeepSpeed's ops); if that process is stuck, stop it (its lock goes with it), or raise "
-                        f"MCIT_EXTENSION_LOCK_TIMEOUT_S") from None
-                if not said and waited > 5:
-                    say(f"waiting for the extension lock {path}, held by {_holder(path)} (at most {timeout:.0f} s)")
-                    said = True
-                time.sleep(0.2)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}).encode(),
-                  0)
+        flock_within(fd, path, timeout, "loading DeepSpeed's ops", "MCIT_EXTENSION_LOCK_TIMEOUT_S", say)
         clear_torch_locks(root, say)
         for hook in while_locked:
             hook(root)
@@ -179,12 +150,13 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         t0 = time.time()
         try:
-            if _builder(name) is None:
+            builder = _builder(name)
+            if builder is None:
                 skipped.append(name)
                 continue
             with extension_lock(root):
-                _builder(name).load()
-            built.append(f"{_builder(name).name} ({time.time() - t0:.0f} s)")
+                builder.load()
+            built.append(f"{builder.name} ({time.time() - t0:.0f} s)")
         except Exception as e:  # noqa: BLE001 - one op that cannot build here is reported, the others still built
             failed.append(f"{name} ({e.__class__.__name__}: {(str(e).splitlines() or [''])[0][:160]})")
     line = f"mcit: DeepSpeed ops in {root}: built {', '.join(built) or 'none'}"

@@ -646,7 +646,7 @@ def resolve(kind: str, tag: str, path: str, cache_dir: str, tokenizer: str | Non
     (under a file lock: every rank of a launch may call this); a zoo tag with an HF directory has its
     architecture checked against the tag; any other tag names an HF directory as it is. The record
     (tag, format, source path and sha256, loaded directory) goes into the run directory and metrics."""
-    import fcntl
+    from mcit.core.locks import LockTimeout, flock_within
 
     p = Path(path)
     cache = Path(cache_dir)
@@ -685,8 +685,13 @@ def resolve(kind: str, tag: str, path: str, cache_dir: str, tokenizer: str | Non
     digest = cached_sha256(p, cache)
     out = cache / f"{tag}-{digest[:16]}"
     cache.mkdir(parents=True, exist_ok=True)
-    with open(cache / f".{tag}-{digest[:16]}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    lock_path = cache / f".{tag}-{digest[:16]}.lock"
+    with open(lock_path, "a+") as lock:  # every rank may get here: one converts, the others wait (bounded)
+        timeout = float(os.environ.get("MCIT_CONVERT_LOCK_TIMEOUT_S", 7200))
+        try:
+            flock_within(lock.fileno(), lock_path, timeout, f"converting {p} to {out}", "MCIT_CONVERT_LOCK_TIMEOUT_S")
+        except LockTimeout as e:
+            raise BackboneError(str(e)) from None
         if not (out / "zoo.json").is_file():
             export_hf(convert(tag, p), out, Path(tokenizer) if tokenizer else None)
     return out, {"tag": tag, "format": e.format, "source": str(p), "sha256": digest, "loaded_from": str(out)}

@@ -74,7 +74,7 @@ follow_rank0() {  # the deepspeed launcher writes each rank's output to its own 
   [ "$LAUNCHER" = deepspeed ] || return 0  # torchrun's --tee already copies every rank's output here
   ( while :; do
       f=$(ls "$RANK_LOGS"/*_rank0.log 2>/dev/null | head -n 1)
-      [ -n "$f" ] && exec tail -n +1 -F "$f" 2>/dev/null
+      [ -n "$f" ] && exec tail -n +1 -F --pid=$$ "$f" 2>/dev/null  # ends with this shell, however it ends
       sleep 0.5
     done ) &
   FOLLOW=$!

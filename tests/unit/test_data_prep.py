@@ -507,6 +507,16 @@ def test_data_prep_names_the_missing_key_and_keeps_images_inside_their_folder(tm
         assert (r.returncode == 2 and "'evil'" in r.stderr
                 and f"image path {bad!r} leads outside --images" in r.stderr), r.stderr
         assert not out.exists()
+    # a multi-image record (MLLM-DCL ships a few): one line that says so, not "image file not found: [...]"
+    multi = {**recs[0], "id": "two", "image": ["in.png", "in.png"]}
+    (tmp_path / "x.json").write_text(json.dumps([recs[0], multi]))
+    r = convert("llava_json", "--json", tmp_path / "x.json", "--images", images, "--out", tmp_path / "o5")
+    lines = r.stderr.strip().splitlines()
+    assert (r.returncode == 2 and len(lines) == 1 and "'two'" in lines[0]
+            and "record has 2 images ('in.png', 'in.png'); multi-image records are not supported" in lines[0]), r.stderr
+    (tmp_path / "x.json").write_text(json.dumps([recs[0], {**multi, "image": ["in.png"]}]))  # one image in a list
+    assert convert("llava_json", "--json", tmp_path / "x.json", "--images", images,
+                   "--out", tmp_path / "o6").returncode == 0
     (tmp_path / "x.json").write_text(json.dumps(recs[:1]))
     assert convert("llava_json", "--json", tmp_path / "x.json", "--images", images,
                    "--out", tmp_path / "o4").returncode == 0
@@ -533,6 +543,24 @@ def test_mllm_cl_layouts_convert_verify_and_keep_what_their_scorers_read(tmp_pat
                                                           policy="sample")]
     assert [r["image_name"] for r in sci] == ["images/AI2D_0000.png", "images/MapQA_0001.png", "images/AI2D_0002.png"]
     assert sci[1]["question"] == "<image>\nWhich states have a value lower than 100?"  # CoIN-style: <image> added
+    # the official evaluation's added instructions (data_prep/inference_prompts.py): Med's, Fin's by answer
+    def questions(task: str, out: str = "dcl") -> list[str]:
+        split = open_split(tmp_path / out / task / "test")
+        return [decode_instruction(s)[1]["question"] for s in iter_samples(split, 0, 1, policy="sample")]
+
+    assert questions("med") == [f"<image>\n{q} Answer the question with a single word (or phrase)." for q in
+                                ("Is this squamous cell carcinoma?", "What organ is shown?", "Is there necrosis?")]
+    assert questions("fin") == [
+        "<image>\nWill the closing price rise on the next day? Only answer with yes or no directly.",
+        "<image>\nWhich pattern is shown?\nA. Hammer\nB. Doji\nC. Engulfing\nD. Star Answer with the given letter "
+        "directly, e.g., A, B, C, D.",
+        "<image>\nIs the volume rising? Only answer with yes or no directly."]
+    manifest = open_split(tmp_path / "dcl" / "fin" / "test").manifest
+    assert "model_fin.py L43-47" in manifest["inference_prompt"]["source"]
+    assert "inference_prompt" not in open_split(tmp_path / "dcl" / "fin" / "train").manifest  # training text as is
+    r = convert("mllm_dcl", "--instructions", dcl, "--out", tmp_path / "dcl_raw", "--task", "med",
+                "--inference-prompts", "none")
+    assert r.returncode == 0 and questions("med", "dcl_raw")[0] == "<image>\nIs this squamous cell carcinoma?"
 
     r = convert("mllm_acl", "--instructions", acl, "--out", tmp_path / "acl")
     assert r.returncode == 0 and "math: not converted" in r.stderr and "app: not converted" in r.stderr
@@ -540,6 +568,7 @@ def test_mllm_cl_layouts_convert_verify_and_keep_what_their_scorers_read(tmp_pat
                                                           policy="sample")]
     assert ocr[0]["answers"] == ["STOP", "stop sign"] and ocr[0]["answer"] == "STOP"
     assert ocr[1]["answer_type"] == "Handwritten Mathematical Expression Recognition"
+    assert ocr[0]["question"] == "<image> what is written in the image?"  # MLLM-CL's model_ocr.py: a space
     vp = open_split(tmp_path / "acl" / "vp" / "test")
     assert [decode_instruction(s)[1]["task"] for s in iter_samples(vp, 0, 1, policy="sample")] == ["Count", "Depth"]
     assert convert("mllm_acl", "--verify", tmp_path / "acl").returncode == 0
