@@ -64,7 +64,7 @@ class InstructionMethod(Method):
     def generate(self, batch: Batch, max_new_tokens: int) -> list[str]:
         """Greedy answers, one independent decision per sample."""
         e, m, _, pos, _ = self._inputs(batch)
-        return self.backbone.generate(e, m, max_new_tokens, pos)
+        return self.backbone.generate(e, m, max_new_tokens, pos, seen_ids=batch.inputs.get("input_ids"))
 
     def predict(self, batch: Batch) -> torch.Tensor:
         raise TypeError(f"method {self.name} generates answers; it has no class prediction")

@@ -517,45 +517,111 @@ class MLLMBackbone(Backbone):
         n = (target != -100).sum(1).clamp_min(1)
         return ce.sum(1) / n
 
+    def decoding(self) -> "Decoding":
+        """How this checkpoint asks to be decoded: its ``generation_config`` (``generation_config.json``), as
+        transformers' ``generate`` honours it, with the official evaluation scripts' overrides on top (CoIN's,
+        MCITlib's and MLLM-CL's pass temperature 0 and num_beams 1: greedy; their max_new_tokens is the task's
+        ``eval.max_new_tokens``). The config is the one the family's own ``generate`` reads: the model's, or for
+        InstructBLIP its language model's (transformers' InstructBLIP generates through the language model)."""
+        gc = getattr(self.causal_lm, "generation_config", None)
+        eos = getattr(gc, "eos_token_id", None)
+        eos = [int(self.tokenizer.eos_token_id)] if eos is None else [int(e) for e in
+                                                                      (eos if isinstance(eos, list) else [eos])]
+        penalty = getattr(gc, "repetition_penalty", None)
+        return Decoding(eos=eos, pad=int(self.tokenizer.pad_token_id),
+                        repetition_penalty=1.0 if penalty is None else float(penalty))
+
     @torch.no_grad()
     def generate(self, embeds: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
-                 positions: torch.Tensor | None = None) -> list[str]:
-        """Batched greedy decoding with the KV cache; the decoded answers without special tokens."""
+                 positions: torch.Tensor | None = None, seen_ids: torch.Tensor | None = None) -> list[str]:
+        """Batched greedy decoding with the KV cache; the decoded answers without special tokens. ``seen_ids``: the
+        prompt's token ids (the batch's ``input_ids``), which a repetition penalty counts as transformers' generate
+        does when it is given them (a prompt inserted as embeddings has no ids and is not counted)."""
         if positions is not None:
-            return self._greedy_with_positions(embeds, attention_mask, positions, max_new_tokens)
+            return self._greedy_with_positions(embeds, attention_mask, positions, max_new_tokens, seen_ids)
+        d = self.decoding()
+        from transformers import LogitsProcessorList
+
         out = self.causal_lm.generate(inputs_embeds=embeds, attention_mask=attention_mask,
                                       max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, use_cache=True,
-                                      pad_token_id=int(self.tokenizer.pad_token_id),
-                                      eos_token_id=int(self.tokenizer.eos_token_id))
+                                      pad_token_id=d.pad, eos_token_id=d.eos, repetition_penalty=1.0,
+                                      logits_processor=LogitsProcessorList(d.processors(seen_ids)))
         return [t.strip() for t in self.tokenizer.batch_decode(out, skip_special_tokens=True)]
 
+    def greedy_loop(self, first: Any, logits_of: Callable[[Any], torch.Tensor],
+                    advance: Callable[[torch.Tensor, int, Any], Any], max_new_tokens: int,
+                    seen_ids: torch.Tensor | None) -> list[str]:
+        """The greedy decoding a family runs itself (explicit positions, deepstack): from the prompt's output
+        ``first``, ``logits_of(out)`` gives the next-token logits (B, V) and ``advance(token, step, out)`` feeds the
+        chosen tokens; the checkpoint's ``decoding()`` (repetition penalty, every EOS id) as transformers applies
+        it; finished rows get padding."""
+        d = self.decoding()
+        processors = d.processors(seen_ids)
+        eos = torch.tensor(d.eos)
+        out, tokens, done = first, [], None
+        for step in range(max_new_tokens):
+            scores = logits_of(out).float()
+            done = torch.zeros(scores.shape[0], dtype=torch.bool, device=scores.device) if done is None else done
+            so_far = torch.stack(tokens, 1) if tokens else scores.new_zeros(scores.shape[0], 0, dtype=torch.long)
+            for proc in processors:
+                scores = proc(so_far, scores)
+            tok = scores.argmax(-1)
+            tok = torch.where(done, torch.full_like(tok, d.pad), tok)
+            tokens.append(tok)
+            done |= torch.isin(tok, eos.to(tok.device))
+            if bool(done.all()) or step == max_new_tokens - 1:
+                break
+            out = advance(tok, step, out)
+        rows = torch.stack(tokens, 1).tolist()  # up to and with the first EOS, decoded as transformers' output is
+        cut = [next((i + 1 for i, x in enumerate(row) if x in d.eos), len(row)) for row in rows]
+        return [t.strip() for t in self.tokenizer.batch_decode([row[:c] for row, c in zip(rows, cut)],
+                                                                skip_special_tokens=True)]
 
     def _greedy_with_positions(self, embeds: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor,
-                               max_new_tokens: int) -> list[str]:
+                               max_new_tokens: int, seen_ids: torch.Tensor | None = None) -> list[str]:
         """Greedy decoding with the KV cache and explicit M-RoPE positions (Qwen2-VL with prompts:
         ``generate`` would recompute positions from input ids the embeddings no longer match). Each
         new token takes the next position after the row's largest one, in all three sections."""
-        eos, pad = int(self.tokenizer.eos_token_id), int(self.tokenizer.pad_token_id)
         B = embeds.shape[0]
-        out = self.model(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=positions, use_cache=True)
+        first = self.model(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=positions, use_cache=True)
         nxt = positions.amax(dim=(0, 2)) + 1  # (B,)
-        done = torch.zeros(B, dtype=torch.bool, device=embeds.device)
-        tokens = []
-        for step in range(max_new_tokens):
-            tok = out.logits[:, -1].argmax(-1)
-            tok = torch.where(done, torch.full_like(tok, pad), tok)
-            tokens.append(tok)
-            done |= tok == eos
-            if bool(done.all()) or step == max_new_tokens - 1:
-                break
-            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(B, 1)], 1)
+        mask = [attention_mask]
+
+        def advance(tok: torch.Tensor, step: int, out: Any) -> Any:
+            mask[0] = torch.cat([mask[0], mask[0].new_ones(B, 1)], 1)
             pos = (nxt + step).view(1, B, 1).expand(3, B, 1)
-            out = self.model(inputs_embeds=self.model.get_input_embeddings()(tok)[:, None],
-                             attention_mask=attention_mask, position_ids=pos, past_key_values=out.past_key_values,
-                             use_cache=True)
-        seqs = torch.stack(tokens, 1).tolist()
-        return [t.strip() for t in self.tokenizer.batch_decode(
-            [[x for x in row[: row.index(eos) if eos in row else len(row)]] for row in seqs], skip_special_tokens=True)]
+            return self.model(inputs_embeds=self.model.get_input_embeddings()(tok)[:, None], attention_mask=mask[0],
+                              position_ids=pos, past_key_values=out.past_key_values, use_cache=True)
+
+        return self.greedy_loop(first, lambda out: out.logits[:, -1], advance, max_new_tokens, seen_ids)
+
+
+class Decoding:
+    """A checkpoint's decoding settings (``MLLMBackbone.decoding``): its EOS ids, padding and repetition penalty."""
+
+    def __init__(self, eos: list[int], pad: int, repetition_penalty: float = 1.0) -> None:
+        self.eos, self.pad, self.repetition_penalty = eos, pad, repetition_penalty
+
+    def processors(self, seen_ids: torch.Tensor | None) -> list[Any]:
+        """transformers' logits processors for these settings, the prompt's ``seen_ids`` counted before the tokens
+        generated so far (transformers' generate gets them as its input ids; here the prompt is embeddings)."""
+        if self.repetition_penalty == 1.0:
+            return []
+        return [_PromptCounted(self.repetition_penalty, seen_ids)]
+
+
+class _PromptCounted:
+    """transformers' ``RepetitionPenaltyLogitsProcessor`` over the prompt's ids followed by the generated ones."""
+
+    def __init__(self, penalty: float, seen_ids: torch.Tensor | None) -> None:
+        from transformers import RepetitionPenaltyLogitsProcessor
+
+        self.inner = RepetitionPenaltyLogitsProcessor(penalty)
+        self.seen = seen_ids
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        ids = input_ids if self.seen is None else torch.cat([self.seen.to(input_ids.device), input_ids], 1)
+        return self.inner(ids, scores)
 
 
 # llava-hf/llava-1.5-7b-hf's architecture (CLIP ViT-L/14-336 + Vicuna-7B), for building it without weights.

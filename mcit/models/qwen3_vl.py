@@ -322,27 +322,21 @@ class Qwen3VLBackbone(Qwen2VLBackbone):
 
     @torch.no_grad()
     def generate(self, embeds: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
-                 positions: Any = None) -> list[str]:
+                 positions: Any = None, seen_ids: torch.Tensor | None = None) -> list[str]:
         """Batched greedy decoding with the KV cache: the prompt's pass with the deepstack features, then one text
-        token a step, at the last position + 1 in every M-RoPE row (transformers' rule); finished rows get padding."""
+        token a step, at the last position + 1 in every M-RoPE row (transformers' rule); the checkpoint's decoding
+        settings (``MLLMBackbone.greedy_loop``)."""
         if not isinstance(positions, DeepstackPositions):
-            return super().generate(embeds, attention_mask, max_new_tokens, positions)
-        eos, pad = int(self.tokenizer.eos_token_id), int(self.tokenizer.pad_token_id)
+            return super().generate(embeds, attention_mask, max_new_tokens, positions, seen_ids)
         lm, head, table = self.language_model, self.model.lm_head, self.model.get_input_embeddings()
-        out = lm(inputs_embeds=embeds, attention_mask=attention_mask, use_cache=True, **positions.text_model_inputs())
+        first = lm(inputs_embeds=embeds, attention_mask=attention_mask, use_cache=True, **positions.text_model_inputs())
         last = positions.position_ids[:, :, -1:]
-        done = torch.zeros(embeds.shape[0], dtype=torch.bool, device=embeds.device)
-        tokens = []
-        for step in range(max_new_tokens):
-            tok = head(out.last_hidden_state[:, -1]).argmax(-1)
-            tok = torch.where(done, torch.full_like(tok, pad), tok)
-            tokens.append(tok)
-            done |= tok == eos
-            if bool(done.all()) or step == max_new_tokens - 1:
-                break
-            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(tok), 1)], 1)
-            out = lm(inputs_embeds=table(tok)[:, None], attention_mask=attention_mask, position_ids=last + step + 1,
-                     past_key_values=out.past_key_values, use_cache=True)
-        seqs = torch.stack(tokens, 1).tolist()
-        return [t.strip() for t in self.tokenizer.batch_decode(
-            [row[: row.index(eos) if eos in row else len(row)] for row in seqs], skip_special_tokens=True)]
+        mask = [attention_mask]
+
+        def advance(tok: torch.Tensor, step: int, out: Any) -> Any:
+            mask[0] = torch.cat([mask[0], mask[0].new_ones(len(tok), 1)], 1)
+            return lm(inputs_embeds=table(tok)[:, None], attention_mask=mask[0], position_ids=last + step + 1,
+                      past_key_values=out.past_key_values, use_cache=True)
+
+        return self.greedy_loop(first, lambda out: head(out.last_hidden_state[:, -1]), advance, max_new_tokens,
+                                seen_ids)

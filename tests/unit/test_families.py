@@ -121,6 +121,38 @@ def test_logits_and_greedy_generation_equal_transformers_own(family):
 
 
 @torch.no_grad()
+def test_generation_honours_the_checkpoint_s_generation_config(family):
+    """A generation_config with a repetition penalty and two EOS ids (Qwen's instruct checkpoints ship several EOS
+    ids): the answers equal transformers' ``generate`` on the same config (which counts the prompt's ids in the
+    penalty), and the config does change answers (mcit used to apply neither)."""
+    import copy
+
+    bb, samples, split = family
+    batch = bb.make_collate(split, 0, train=False)(samples)
+    embeds, _ = bb.input_embeddings(batch)
+    mask, pos, ref_in = batch.inputs["attention_mask"], bb.positions(batch), bb.model_inputs(batch)
+    start, pad = ref_in["input_ids"].shape[1], int(bb.tokenizer.pad_token_id)
+
+    def hf() -> list[str]:
+        out = bb.model.generate(**ref_in, max_new_tokens=6, do_sample=False, num_beams=1, pad_token_id=pad)
+        return _decode(bb, out, start)
+
+    plain = bb.model.generate(**ref_in, max_new_tokens=6, do_sample=False, num_beams=1, pad_token_id=pad)[:, start:]
+    owner = bb.causal_lm  # whose generation_config the family's transformers generate reads
+    saved = copy.deepcopy(owner.generation_config)
+    try:
+        gc = owner.generation_config
+        gc.repetition_penalty = 1.3
+        gc.eos_token_id = [int(bb.tokenizer.eos_token_id), int(plain[0, 2])]  # a token the first answer says third
+        want = hf()
+        mine = bb.generate(embeds, mask, 6, pos, seen_ids=batch.inputs["input_ids"])
+    finally:
+        owner.generation_config = saved
+    assert mine == want
+    assert want != _decode(bb, plain, 0) and mine != bb.generate(embeds, mask, 6, pos)  # the config mattered
+
+
+@torch.no_grad()
 def test_with_prompts_equal_transformers_own_with_the_prompts_as_token_embeddings(family):
     bb, samples, split = family
     batch = bb.make_collate(split, 0, train=False)(samples)
