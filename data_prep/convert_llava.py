@@ -57,6 +57,7 @@ LLAMA_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_ke
               "max_position_embeddings", "rms_norm_eps", "hidden_act", "rope_theta", "rope_scaling",
               "attention_bias", "bos_token_id", "eos_token_id", "initializer_range", "pretraining_tp")
 CLIP_DROPPED = ("text_model.", "text_projection.", "visual_projection.", "logit_scale")  # CLIPModel's other parts
+CLIP_VISION_MODULES = ("embeddings.", "pre_layrnorm.", "encoder.", "post_layernorm.")  # CLIPVisionTransformer's
 BUFFERS = ("rotary_emb.inv_freq", "embeddings.position_ids")  # caches some releases saved
 
 
@@ -167,8 +168,10 @@ def target_name(key: str, source: str) -> str | None:
     if any(key.endswith(b) for b in BUFFERS):
         return None
     if source == "clip":
-        if key.startswith("vision_model."):
+        if key.startswith("vision_model."):  # CLIPModel, or CLIPVisionModel as transformers 4 saves it
             return "vision_tower." + key
+        if key.startswith(CLIP_VISION_MODULES):  # CLIPVisionModel as transformers 5 saves it (no vision_model.)
+            return "vision_tower.vision_model." + key
         if key.startswith(CLIP_DROPPED):
             return None
     elif key.startswith("model.mm_projector."):

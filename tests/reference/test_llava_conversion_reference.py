@@ -112,6 +112,39 @@ def test_the_converted_directory_loads_strictly_and_records_its_inputs_and_outpu
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.parametrize("major", [5, 4])
+def test_a_clip_vision_model_directory_converts_to_the_same_checkpoint(converted, tmp_path, major):
+    """The CLIP tower saved as ``CLIPVisionModel``: transformers 5's ``save_pretrained`` writes its keys without
+    ``vision_model.`` (the layout used to be refused: "no rule maps it"), transformers 4's with it. Either converts
+    to the weights the full ``CLIPModel`` directory gives, bit for bit (and so to the logits checked above)."""
+    import shutil
+
+    from transformers import CLIPVisionConfig, CLIPVisionModel
+
+    from data_prep.convert_llava import check_sources, convert
+
+    _, _, out, paths = converted
+    full = load_file(str(paths["clip"] / "model.safetensors"))
+    vision = {k[len("vision_model."):]: v for k, v in full.items() if k.startswith("vision_model.")}
+    clip = tmp_path / f"clip_vision_v{major}"
+    cfg = CLIPVisionConfig(**json.loads((paths["clip"] / "config.json").read_text())["vision_config"])
+    model = CLIPVisionModel(cfg)
+    model.load_state_dict(vision, strict=True)
+    model.save_pretrained(clip)  # transformers 5's own layout
+    if major == 4:  # the same tensors under transformers 4's names
+        from safetensors.torch import save_file
+
+        saved = load_file(str(clip / "model.safetensors"))
+        assert not any(k.startswith("vision_model.") for k in saved)
+        save_file({"vision_model." + k: v for k, v in saved.items()}, clip / "model.safetensors",
+                  metadata={"format": "pt"})
+    shutil.copy(paths["clip"] / "preprocessor_config.json", clip)
+    convert(check_sources(paths["llava"], None, None, clip), tmp_path / "hf", progress=False)
+    a = load_file(str(next(out["llava"].glob("model-*.safetensors"))))
+    b = load_file(str(next((tmp_path / "hf").glob("model-*.safetensors"))))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_the_converter_refuses_what_it_cannot_convert_in_one_line(converted, tmp_path):
     import shutil
     import subprocess
