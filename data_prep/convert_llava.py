@@ -189,12 +189,20 @@ def target_name(key: str, source: str) -> str | None:
 
 
 def tokenizer_with_image_token(path: Path) -> tuple[Any, list[str]]:
-    """The checkpoint's tokenizer with ``<image>`` and ``<pad>`` added as llava-hf's conversion adds them."""
+    """The checkpoint's tokenizer with ``<image>`` and ``<pad>`` added as llava-hf's conversion adds them. It is
+    loaded as the class its ``tokenizer_config.json`` names: ``AutoTokenizer`` would pick one from config.json's
+    ``model_type`` ("llava"), and for a SentencePiece-only directory (liuhaotian/llava-v1.5-7b ships
+    ``tokenizer.model`` and ``LlamaTokenizer``) it built a tokenizer without Llama's dummy prefix: every prompt's
+    first word became another token than LLaVA's."""
+    import transformers
     from transformers import AddedToken, AutoTokenizer
 
+    cfg = path / "tokenizer_config.json"
+    name = json.loads(cfg.read_text()).get("tokenizer_class") if cfg.is_file() else None
+    cls = getattr(transformers, name, None) if isinstance(name, str) else None
     with warnings.catch_warnings():  # AutoTokenizer probes config.json, which transformers reads as a LlavaConfig
         warnings.simplefilter("ignore", FutureWarning)
-        tok = AutoTokenizer.from_pretrained(str(path))
+        tok = (cls or AutoTokenizer).from_pretrained(str(path))
     added = []
     if "<image>" not in tok.get_vocab():
         tok.add_tokens(AddedToken("<image>", special=True, normalized=False), special_tokens=True)

@@ -125,6 +125,34 @@ def tokenizer() -> PreTrainedTokenizerFast:
                                    pad_token="<unk>", padding_side="right", model_max_length=2048)
 
 
+def sentencepiece_model() -> bytes:
+    """A SentencePiece model as Llama's / Vicuna's ``tokenizer.model`` is made (BPE, byte fallback, digits split,
+    a dummy prefix, no normalisation, ``<unk>``=0 ``<s>``=1 ``</s>``=2, no pad), trained offline on the corpus by
+    sentencepiece's own trainer: 300 pieces, 259 of them the specials and the bytes. One thread: the same bytes on
+    every run."""
+    import io
+
+    import sentencepiece as spm
+
+    out = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(CORPUS * 5), model_writer=out, vocab_size=300,
+                                   model_type="bpe", byte_fallback=True, split_digits=True, add_dummy_prefix=True,
+                                   remove_extra_whitespaces=False, normalization_rule_name="identity", unk_id=0,
+                                   bos_id=1, eos_id=2, pad_id=-1, num_threads=1, character_coverage=1.0, minloglevel=2)
+    return out.getvalue()
+
+
+def _save_sentencepiece(path: Path, model: bytes) -> None:
+    """The tokenizer files as liuhaotian/llava-v1.5-7b and lmsys/vicuna-7b-v1.5 ship them: ``tokenizer.model`` and a
+    ``LlamaTokenizer`` config (``legacy: false``, BOS added, no pad token), no ``tokenizer.json``."""
+    (path / "tokenizer.model").write_bytes(model)
+    _write_json(path / "tokenizer_config.json", {
+        "add_bos_token": True, "add_eos_token": False, "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "pad_token": None, "clean_up_tokenization_spaces": False, "legacy": False, "model_max_length": 2048,
+        "padding_side": "right", "sp_model_kwargs": {}, "tokenizer_class": "LlamaTokenizer"})
+    _write_json(path / "special_tokens_map.json", {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"})
+
+
 def image() -> Image:
     """A fixed 40 x 24 RGB image (wider than high, so LLaVA's expand2square padding matters): a gradient with a
     red rectangle off centre."""
@@ -248,10 +276,13 @@ def skip_unless_this_randn_draws_the_weights() -> None:
                     "values than the AVX2 kernel the official fixture's weights were drawn with")
 
 
-def build(out: Path, seed: int = SEED) -> dict[str, Path]:
+def build(out: Path, seed: int = SEED, sentencepiece: bool = False) -> dict[str, Path]:
     """Write clip/, llava/, vicuna/ and mm_projector.bin under ``out`` (see the module docstring); return their
     paths. Deterministic: two builds with the same seed give byte-identical weight files (CLIP's values come from
-    a generator seeded ``seed``, the Llama's from ``seed + 1``, the projector's from ``seed + 2``)."""
+    a generator seeded ``seed``, the Llama's from ``seed + 1``, the projector's from ``seed + 2``).
+    ``sentencepiece``: the LLM directories hold a SentencePiece ``tokenizer.model`` and no ``tokenizer.json``, as
+    the published LLaVA-1.5 and Vicuna directories do (``sentencepiece_model``; the Llama's vocabulary is its 300
+    pieces: other weights than the official numbers were computed on)."""
     from safetensors.torch import save_file
 
     out = Path(out)
@@ -271,7 +302,8 @@ def build(out: Path, seed: int = SEED) -> dict[str, Path]:
         "size": {"shortest_edge": CLIP_VISION["image_size"]}})
 
     tok = tokenizer()
-    vocab = len(tok)
+    sp = sentencepiece_model() if sentencepiece else None
+    vocab = 300 if sentencepiece else len(tok)
     llama = _llama_weights(vocab, seed)
     projector = _projector_weights(seed)
 
@@ -288,7 +320,7 @@ def build(out: Path, seed: int = SEED) -> dict[str, Path]:
     _write_json(paths["llava"] / "pytorch_model.bin.index.json",
                 {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
     _write_json(paths["llava"] / "generation_config.json", {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0})
-    _save_tokenizer(tok, paths["llava"])
+    _save_sentencepiece(paths["llava"], sp) if sp else _save_tokenizer(tok, paths["llava"])
 
     # Vicuna + the pre-training stage's mm_projector.bin (CoIN's starting point)
     _write_json(paths["vicuna"] / "config.json", _llama_config_json(vocab))
@@ -301,7 +333,7 @@ def build(out: Path, seed: int = SEED) -> dict[str, Path]:
     _write_json(paths["vicuna"] / "model.safetensors.index.json",
                 {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
     _write_json(paths["vicuna"] / "generation_config.json", {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0})
-    _save_tokenizer(tok, paths["vicuna"])
+    _save_sentencepiece(paths["vicuna"], sp) if sp else _save_tokenizer(tok, paths["vicuna"])
     torch.save({k: v.clone() for k, v in projector.items()}, paths["mm_projector"])
     return paths
 
