@@ -153,6 +153,17 @@ def _save_sentencepiece(path: Path, model: bytes) -> None:
     _write_json(path / "special_tokens_map.json", {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"})
 
 
+def sample(img: Image) -> dict:
+    """The question as a webdataset sample (image bytes + a one-turn conversation), as the converted checkpoint's
+    collate reads it."""
+    import io
+
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    conv = [{"from": "human", "value": QUESTION}, {"from": "gpt", "value": "red"}]
+    return {"__key__": "q", "png": buf.getvalue(), "json": json.dumps({"conversations": conv}).encode()}
+
+
 def image() -> Image:
     """A fixed 40 x 24 RGB image (wider than high, so LLaVA's expand2square padding matters): a gradient with a
     red rectangle off centre."""
@@ -320,7 +331,10 @@ def build(out: Path, seed: int = SEED, sentencepiece: bool = False) -> dict[str,
     _write_json(paths["llava"] / "pytorch_model.bin.index.json",
                 {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
     _write_json(paths["llava"] / "generation_config.json", {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0})
-    _save_sentencepiece(paths["llava"], sp) if sp else _save_tokenizer(tok, paths["llava"])
+    if sp:
+        _save_sentencepiece(paths["llava"], sp)
+    else:
+        _save_tokenizer(tok, paths["llava"])
 
     # Vicuna + the pre-training stage's mm_projector.bin (CoIN's starting point)
     _write_json(paths["vicuna"] / "config.json", _llama_config_json(vocab))
@@ -333,7 +347,10 @@ def build(out: Path, seed: int = SEED, sentencepiece: bool = False) -> dict[str,
     _write_json(paths["vicuna"] / "model.safetensors.index.json",
                 {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
     _write_json(paths["vicuna"] / "generation_config.json", {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0})
-    _save_sentencepiece(paths["vicuna"], sp) if sp else _save_tokenizer(tok, paths["vicuna"])
+    if sp:
+        _save_sentencepiece(paths["vicuna"], sp)
+    else:
+        _save_tokenizer(tok, paths["vicuna"])
     torch.save({k: v.clone() for k, v in projector.items()}, paths["mm_projector"])
     return paths
 

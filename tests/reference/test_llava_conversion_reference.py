@@ -12,7 +12,6 @@ converts into a transformers LlavaForConditionalGeneration directory whose
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 from pathlib import Path
 
@@ -45,15 +44,6 @@ def converted(tmp_path_factory):
     return load_file(str(OFFICIAL / "llava15.safetensors")), rec, out, paths
 
 
-def _sample(image) -> dict:
-    import llava_original as L
-
-    buf = io.BytesIO()
-    image.save(buf, format="PNG")
-    conv = [{"from": "human", "value": L.QUESTION}, {"from": "gpt", "value": "red"}]
-    return {"__key__": "q", "png": buf.getvalue(), "json": json.dumps({"conversations": conv}).encode()}
-
-
 @pytest.mark.parametrize("layout", ["llava", "vicuna"])
 @torch.no_grad()
 def test_converted_checkpoint_gives_llavas_pixels_tokens_logits_and_answer(converted, layout):
@@ -64,7 +54,7 @@ def test_converted_checkpoint_gives_llavas_pixels_tokens_logits_and_answer(conve
     ref, rec, out, _ = converted
     bb = load_backbone("llava", str(out[layout]), chat_format="vicuna_v1")
     assert bb.model.config.text_config.hidden_size == 48 and bb.model.config.vision_feature_layer == -2
-    batch = bb.make_collate(None, 0, train=False)([_sample(L.image())])
+    batch = bb.make_collate(None, 0, train=False)([L.sample(L.image())])
     # pixels: LLaVA's expand2square (a 40 x 24 image, so the padding matters) + CLIP processing
     pv = ref["pixel_values"]
     T.compare(batch.pixel_values, pv, f"{layout}: pixels", 1e-5, float(pv.abs().max()))

@@ -10,9 +10,6 @@ fixture: test_llava_conversion_reference.py; these weights differ by their 300-p
 
 from __future__ import annotations
 
-import io
-import json
-
 import pytest
 import tiny_inputs as T
 import torch
@@ -67,15 +64,6 @@ def tokenizer_image_token(model: bytes, prompt: str) -> list[int]:
     return ids
 
 
-def _sample(image) -> dict:
-    import llava_original as L
-
-    buf = io.BytesIO()
-    image.save(buf, format="PNG")
-    conv = [{"from": "human", "value": L.QUESTION}, {"from": "gpt", "value": "red"}]
-    return {"__key__": "q", "png": buf.getvalue(), "json": json.dumps({"conversations": conv}).encode()}
-
-
 @pytest.mark.parametrize("layout", ["llava", "vicuna"])
 @torch.no_grad()
 def test_a_sentencepiece_checkpoint_converts_and_tokenises_as_llava(converted, layout):
@@ -85,7 +73,7 @@ def test_a_sentencepiece_checkpoint_converts_and_tokenises_as_llava(converted, l
 
     paths, out = converted
     bb = load_backbone("llava", str(out[layout]), chat_format="vicuna_v1")
-    batch = bb.make_collate(None, 0, train=False)([_sample(L.image())])
+    batch = bb.make_collate(None, 0, train=False)([L.sample(L.image())])
     want = tokenizer_image_token((paths[layout] / "tokenizer.model").read_bytes(), L.PROMPT)
     assert want.count(IMAGE_TOKEN_INDEX) == 1 and len(want) > 30
     at, n_image = want.index(IMAGE_TOKEN_INDEX), bb.model.config.image_seq_length
