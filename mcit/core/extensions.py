@@ -26,9 +26,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from mcit.core.locks import LockTimeout, flock_within
-
-ExtensionLockError = LockTimeout  # the name this module's callers and tests use
+from mcit.core.locks import flock_within
 
 LOCK_FILE = "mcit.flock"
 # Test seam: functions called with the extensions root while the lock is held, before the ops load (a test holds

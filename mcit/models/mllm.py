@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -525,8 +526,8 @@ class MLLMBackbone(Backbone):
         InstructBLIP its language model's (transformers' InstructBLIP generates through the language model)."""
         gc = getattr(self.causal_lm, "generation_config", None)
         eos = getattr(gc, "eos_token_id", None)
-        eos = [int(self.tokenizer.eos_token_id)] if eos is None else [int(e) for e in
-                                                                      (eos if isinstance(eos, list) else [eos])]
+        eos = self.tokenizer.eos_token_id if eos is None else eos
+        eos = [int(e) for e in (eos if isinstance(eos, list) else [eos])]
         penalty = getattr(gc, "repetition_penalty", None)
         return Decoding(eos=eos, pad=int(self.tokenizer.pad_token_id),
                         repetition_penalty=1.0 if penalty is None else float(penalty))
@@ -557,18 +558,20 @@ class MLLMBackbone(Backbone):
         it; finished rows get padding."""
         d = self.decoding()
         processors = d.processors(seen_ids)
-        eos = torch.tensor(d.eos)
-        out, tokens, done = first, [], None
+        out, tokens = first, []
+        scores = logits_of(out).float()
+        eos = torch.tensor(d.eos, device=scores.device)
+        done = torch.zeros(scores.shape[0], dtype=torch.bool, device=scores.device)
         for step in range(max_new_tokens):
-            scores = logits_of(out).float()
-            done = torch.zeros(scores.shape[0], dtype=torch.bool, device=scores.device) if done is None else done
+            if step:
+                scores = logits_of(out).float()
             so_far = torch.stack(tokens, 1) if tokens else scores.new_zeros(scores.shape[0], 0, dtype=torch.long)
             for proc in processors:
                 scores = proc(so_far, scores)
             tok = scores.argmax(-1)
             tok = torch.where(done, torch.full_like(tok, d.pad), tok)
             tokens.append(tok)
-            done |= torch.isin(tok, eos.to(tok.device))
+            done |= torch.isin(tok, eos)
             if bool(done.all()) or step == max_new_tokens - 1:
                 break
             out = advance(tok, step, out)
@@ -596,11 +599,13 @@ class MLLMBackbone(Backbone):
         return self.greedy_loop(first, lambda out: out.logits[:, -1], advance, max_new_tokens, seen_ids)
 
 
+@dataclass
 class Decoding:
     """A checkpoint's decoding settings (``MLLMBackbone.decoding``): its EOS ids, padding and repetition penalty."""
 
-    def __init__(self, eos: list[int], pad: int, repetition_penalty: float = 1.0) -> None:
-        self.eos, self.pad, self.repetition_penalty = eos, pad, repetition_penalty
+    eos: list[int]
+    pad: int
+    repetition_penalty: float = 1.0
 
     def processors(self, seen_ids: torch.Tensor | None) -> list[Any]:
         """transformers' logits processors for these settings, the prompt's ``seen_ids`` counted before the tokens
