@@ -82,6 +82,50 @@ OFFICIAL: dict[tuple[str, str], InferencePrompt] = {
 }
 
 
+# The generation cap each official evaluation script decodes with (greedy: temperature 0, num_beams 1 everywhere);
+# no official shell script passes --max_new_tokens, so a parser default counts as much as a hard-coded value.
+# MCITlib's UCIT cap is its method folder's model_others.py: 256 in LoRA-FT, MoELoRA, OLoRA, HiDe, DISCO and CL-MoE
+# (the baselines without a folder of their own, EWC, LwF, Replay and Fwd-Prompt, take LoRA-FT's scripts).
+_COIN_DL = "parser default --max_new_tokens 128 (L139)"
+_COIN_ITEM = "max_new_tokens=1024 hard-coded"
+MAX_NEW_TOKENS: dict[tuple[str, str], tuple[int, str]] = {
+    ("coin", "scienceqa"): (1024, f"{COIN} llava/eval/CoIN/model_vqa_science.py L81: {_COIN_ITEM}"),
+    ("coin", "textvqa"): (128, f"{COIN} llava/eval/CoIN/model_text_vqa.py: {_COIN_DL}"),
+    ("coin", "imagenet"): (1024, f"{COIN} llava/eval/CoIN/model_vqa_cc_instruction.py L79: {_COIN_ITEM}"),
+    ("coin", "gqa"): (128, f"{COIN} llava/eval/CoIN/model_gqa.py: {_COIN_DL}"),
+    ("coin", "vizwiz"): (128, f"{COIN} llava/eval/CoIN/model_vizwiz.py: {_COIN_DL}"),
+    ("coin", "grounding"): (1024, f"{COIN} llava/eval/CoIN/model_vqa_cc_instruction.py L79: {_COIN_ITEM}"),
+    ("coin", "vqav2"): (1024, f"{COIN} llava/eval/CoIN/model_vqa_cc_instruction.py L79: {_COIN_ITEM}"),
+    ("coin", "ocrvqa"): (128, f"{COIN} llava/eval/CoIN/model_ocr_vqa.py: {_COIN_DL}"),
+    **{("ucit", t): (256, f"{MCITLIB} LoRA-FT/llava/eval/CoIN/model_others.py L80: max_new_tokens=256 hard-coded")
+       for t in ("imagenet_r", "arxivqa", "vizwiz_caption", "iconqa", "clevr_math", "flickr30k")},
+    ("mllm_dcl", "rs"): (128, f"{MCITLIB} LoRA-FT/llava/eval/CoIN/model_ai2d.py L145: parser default"),
+    ("mllm_dcl", "med"): (128, f"{MCITLIB} LoRA-FT/llava/eval/CoIN/model_pvqa.py L146: parser default"),
+    ("mllm_dcl", "ad"): (128, f"{MCITLIB} LoRA-FT/llava/eval/CoIN/model_ai2d.py L145: parser default"),
+    ("mllm_dcl", "sci"): (128, f"{MCITLIB} LoRA-FT/llava/eval/CoIN/model_ai2d.py L145: parser default"),
+    ("mllm_dcl", "fin"): (128, f"{MCITLIB} LoRA-FT/llava/eval/CoIN/model_fin.py L149: parser default"),
+    ("mllm_acl", "ocr"): (2048, f"{MLLM_CL} ETrain/Eval/LLaVA/CoIN/model_ocr.py L114-123: hard-coded"),
+    ("mllm_acl", "math"): (2048, f"{MLLM_CL} ETrain/Eval/LLaVA/CoIN/model_math.py L153: parser default"),
+    ("mllm_acl", "vp"): (64, f"{MLLM_CL} ETrain/Eval/LLaVA/CoIN/model_sat.py L144: parser default"),
+}
+# a method folder whose script decodes with another cap than LoRA-FT's
+METHOD_MAX_NEW_TOKENS: dict[tuple[str, str], tuple[int, str]] = {
+    ("ucit", "modal_prompt"): (128, f"{MCITLIB} ModalPrompt/llava/eval/ModalPrompt/model_others.py L83"),
+    ("ucit", "sefe"): (1024, f"{MCITLIB} SEFE/llava/eval/CoIN/model_others.py L72"),
+}
+
+
+def official_max_new_tokens(benchmark: str, task: str, method: str) -> int:
+    """The generation cap ``method``'s official evaluation of ``task`` uses (KeyError: a task not recorded)."""
+    if (benchmark, method) in METHOD_MAX_NEW_TOKENS:
+        return METHOD_MAX_NEW_TOKENS[(benchmark, method)][0]
+    try:
+        return MAX_NEW_TOKENS[(benchmark, task)][0]
+    except KeyError:
+        raise KeyError(f"no official generation cap recorded for {benchmark} task {task!r} "
+                       f"(data_prep/inference_prompts.py)") from None
+
+
 def official(benchmark: str, task: str) -> InferencePrompt:
     """The rule of a shipped task (KeyError names a task the table misses)."""
     try:

@@ -188,6 +188,11 @@ class TrainConfig(_Strict):
     epochs: int = Field(1, ge=1)
     batch_size: int = Field(16, ge=1, description="micro batch per rank")
     grad_accum: int = Field(1, ge=1)
+    lm_loss_mean: Literal["token", "sample"] = Field(
+        "token", description="an MLLM's answer-token cross-entropy: token = the sum over every answer token of "
+                             "the accumulation window on every rank divided by their number (LLaVA's objective, "
+                             "whatever the world size: transformers' average_tokens_across_devices); sample = each "
+                             "sample's token mean, averaged over samples")
     lr: float = Field(1e-3, gt=0)
     optimizer: Literal["adam", "adamw", "sgd"] = "adam"
     weight_decay: float = Field(0.0, ge=0)

@@ -476,10 +476,12 @@ def pad_batch(batch: Batch | None, template: Batch, size: int) -> Batch:
 
 
 def eval_parts(splits: list[Split], collates: list[Collate], *, rank: int, world: int, batch_size: int,
-               policy: str, loader: LoaderOptions = LoaderOptions()) -> Iterator[tuple[int, Batch]]:
+               policy: str, loader: LoaderOptions = LoaderOptions(),
+               aug_seed: int | None = None) -> Iterator[tuple[int, Batch]]:
     """(split index, batch) over this rank's part of each split in turn, in manifest order, unpadded (evaluation
     runs no collectives). One stream: the loader workers start once for all the splits and prepare the next
-    split's first batches while the current one is evaluated (an evaluation row is many small test splits)."""
+    split's first batches while the current one is evaluated (an evaluation row is many small test splits).
+    ``aug_seed`` seeds a random transform's per-sample draws (a statistics pass over augmented images)."""
     parts: list[int] = []  # the split of each work item handed out; results come back in the same order
 
     def works() -> Iterator[_Work]:
@@ -489,11 +491,11 @@ def eval_parts(splits: list[Split], collates: list[Collate], *, rank: int, world
                 chunk.append(s)
                 if len(chunk) == batch_size:
                     parts.append(i)
-                    yield _Work(chunk, None, 0, None, i)
+                    yield _Work(chunk, aug_seed, 0, None, i)
                     chunk = []
             if chunk:
                 parts.append(i)
-                yield _Work(chunk, None, 0, None, i)
+                yield _Work(chunk, aug_seed, 0, None, i)
 
     what = splits[0].location if len(splits) == 1 else f"{len(splits)} splits from {splits[0].location}"
     for n, batch in enumerate(_run(works(), collates, loader, what)):
@@ -501,8 +503,9 @@ def eval_parts(splits: list[Split], collates: list[Collate], *, rank: int, world
 
 
 def eval_batches(split: Split, *, rank: int, world: int, batch_size: int, policy: str,
-                 collate: Collate, loader: LoaderOptions = LoaderOptions()) -> Iterator[Batch]:
+                 collate: Collate, loader: LoaderOptions = LoaderOptions(),
+                 aug_seed: int | None = None) -> Iterator[Batch]:
     """This rank's part of one split: ``eval_parts`` of one."""
     for _, batch in eval_parts([split], [collate], rank=rank, world=world, batch_size=batch_size, policy=policy,
-                               loader=loader):
+                               loader=loader, aug_seed=aug_seed):
         yield batch

@@ -71,26 +71,55 @@ class LossTerms(dict):
     """What a training forward returns.
 
     ``per_sample``: (B,) losses; the engine weights them by ``valid`` and normalises by the global
-    number of real samples. ``regularizer``: a scalar that does not depend on the batch size
-    (orthogonality, L_LN, ...), added once per step. ``logs``: floats for the progress bar / JSONL.
+    number of real samples. ``tokens``: the answer-token cross-entropy of a language model as (B,) sums over
+    each sample's answer tokens and (B,) token counts; with ``train.lm_loss_mean: token`` (the official LLaVA
+    objective) the engine divides the sums by the answer tokens of the whole accumulation window on every rank,
+    with ``sample`` each sample's mean joins the per-sample terms. ``regularizer``: a scalar that does not depend
+    on the batch size (orthogonality, L_LN, ...), added once per step. ``logs``: floats for the progress bar /
+    JSONL.
 
     A dict (not a dataclass) on purpose: ZeRO-3 installs its re-gather-before-backward hooks only on
     tensors it finds inside tuples, lists and dicts of the module's output.
     """
 
-    def __init__(self, per_sample: torch.Tensor, regularizer: torch.Tensor | None = None,
-                 logs: dict[str, float] | None = None, task: torch.Tensor | None = None) -> None:
-        super().__init__(per_sample=per_sample, regularizer=regularizer, logs=dict(logs or {}), task=task)
+    def __init__(self, per_sample: torch.Tensor | None = None, regularizer: torch.Tensor | None = None,
+                 logs: dict[str, float] | None = None, task: torch.Tensor | None = None,
+                 tokens: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        if per_sample is None and tokens is None:
+            raise ValueError("LossTerms needs per_sample or tokens")
+        super().__init__(sample_terms=per_sample, regularizer=regularizer, logs=dict(logs or {}), task=task,
+                         tokens=tokens)
 
     @property
     def task(self) -> torch.Tensor | None:
         """The per-sample task loss alone (cross-entropy / LM loss), where ``per_sample`` adds a method's
-        own per-sample terms (key pull, TII head): what the training-interference curve measures."""
+        own per-sample terms (key pull, TII head): what the training-interference curve measures. The token
+        loss's per-sample means where the method gives one and names no other."""
+        if self["task"] is None and self["tokens"] is not None:
+            return self.token_means()
         return self["task"]
 
     @property
+    def sample_terms(self) -> torch.Tensor | None:
+        """The per-sample terms as the method gave them (without the token loss)."""
+        return self["sample_terms"]
+
+    @property
+    def tokens(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self["tokens"]
+
+    def token_means(self) -> torch.Tensor:
+        """Each sample's mean answer-token cross-entropy (B,)."""
+        sums, counts = self["tokens"]
+        return sums / counts.clamp_min(1).to(sums.dtype)
+
+    @property
     def per_sample(self) -> torch.Tensor:
-        return self["per_sample"]
+        """Every per-sample term with the token loss as each sample's mean (the per-sample-mean objective)."""
+        if self["tokens"] is None:
+            return self["sample_terms"]
+        means = self.token_means()
+        return means if self["sample_terms"] is None else self["sample_terms"] + means
 
     @property
     def regularizer(self) -> torch.Tensor | None:
@@ -114,6 +143,20 @@ class AuxiliaryBackbone:
     key: str = ""  # the config key of ``path``, for messages (e.g. method.clip_path)
 
 
+@dataclass(frozen=True)
+class ImagePipeline:
+    """The images one train or subspace stage of a phase sees (``Method.image_pipeline``).
+
+    ``augment``: the run's ``data.train_transform`` (True) or ``data.eval_transform`` (False); None: the stage's
+    own default (train: augmented; subspace: not). ``auxiliary``: the name of an auxiliary backbone whose own
+    pipeline (its resize, crop, input size and mean / std; no augmentation) replaces the run's, so that a
+    phase that trains or measures that model sees the pixels its official code feeds it (STAR-Prompt's CLIP
+    stage: mammoth swaps both loaders to CLIP's preprocess)."""
+
+    augment: bool | None = None
+    auxiliary: str | None = None
+
+
 class Method(nn.Module):
     """Base class; subclasses register with ``@METHODS.register(name)`` and set ``Params``.
 
@@ -134,6 +177,7 @@ class Method(nn.Module):
           subspace set_task(t); set_phase(p); only if ``has_subspace_stage``: statistics(batch) on every
                    rank's part of task t's train split, summed over ranks, finalize_statistics(sums, t) on
                    rank 0, state broadcast; subspace_report() is logged
+                   (each stage's images: ``image_pipeline(params, p, "train" | "subspace")``)
         eval       set_task(t); set_phase(phases[-1]); predict(batch) or generate(batch, n) per sample over
                    every task's test split; task_loss(batch) over task 0's test split
         commit     state_dict() saved (checkpoints/task_t/method.safetensors)
@@ -151,6 +195,9 @@ class Method(nn.Module):
     has_subspace_stage: ClassVar[bool] = False
     # Declared: the engine snapshots the weights around each optimizer step only for methods that set this.
     projects_updates: ClassVar[bool] = False
+    # Declared: the loss has an answer-token term (``LossTerms.tokens``), whose window total ``answer_tokens`` gives
+    # the engine before the window's first backward (``train.lm_loss_mean: token``).
+    token_loss: ClassVar[bool] = False
 
     def __init__(self, params: MethodParams, backbone: nn.Module, sequence: TaskSequence) -> None:
         super().__init__()
@@ -202,6 +249,11 @@ class Method(nn.Module):
         """Overrides of the ``train:`` config section for ``phase`` (epochs, lr, optimizer, ...)."""
         return {}
 
+    @classmethod
+    def image_pipeline(cls, params: MethodParams, phase: str, stage: str) -> ImagePipeline:
+        """The images the ``stage`` ("train" or "subspace") of ``phase`` streams: the run's own by default."""
+        return ImagePipeline()
+
     def before_task(self, task: int) -> None:
         """Just before task ``task``'s training steps (hand-over of prompts, freezing, ...)."""
         self.current_task = task
@@ -221,6 +273,11 @@ class Method(nn.Module):
     @abstractmethod
     def loss(self, batch: Batch, outputs: dict[str, torch.Tensor]) -> LossTerms:
         """Task loss plus the method's own terms, per sample where they are per sample."""
+
+    def answer_tokens(self, batch: Batch) -> int:
+        """The answer tokens of ``batch``'s real samples, for a method that declares ``token_loss`` (the engine's
+        token-mean normaliser)."""
+        raise NotImplementedError(f"method {self.name} declares no token loss")
 
     def task_loss(self, batch: Batch) -> torch.Tensor:
         """Per-sample training loss of ``batch`` as data of task ``batch.task``, without an update: the

@@ -118,7 +118,7 @@ class FwdPrompt(InstructionMethod):
 
     def loss(self, batch: Batch, outputs: dict[str, Any]) -> LossTerms:
         lm, pull = outputs["lm_loss"], outputs["pull"]
-        return LossTerms(per_sample=lm + self.params.key_loss_weight * pull, task=lm,
+        return LossTerms(per_sample=self.params.key_loss_weight * pull, tokens=outputs["lm_tokens"],
                          logs={"lm_loss": float(lm.detach().mean()), "pull": float(pull.detach().mean())})
 
     # -- subspaces ------------------------------------------------------------------------------

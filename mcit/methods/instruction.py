@@ -19,6 +19,8 @@ from mcit.methods.base import LossTerms, Method
 class InstructionMethod(Method):
     """Base of MCIT methods: training by answer-token loss, evaluation by generation."""
 
+    token_loss = True
+
     def _check_backbone(self) -> None:
         if getattr(self.backbone, "task_type", None) != "generation":
             from mcit.models.mllm import MLLMBackbone
@@ -54,11 +56,16 @@ class InstructionMethod(Method):
 
     def train_outputs(self, batch: Batch) -> dict[str, Any]:
         e, m, lab, pos, extra = self._inputs(batch)
-        return {"lm_loss": self.backbone.lm_loss(e, m, lab, pos), **extra}
+        return {**lm_outputs(self.backbone.answer_token_loss(e, m, lab, pos)), **extra}
 
     def loss(self, batch: Batch, outputs: dict[str, Any]) -> LossTerms:
-        lm = outputs["lm_loss"]
-        return LossTerms(per_sample=lm, logs={"lm_loss": float(lm.detach().mean())})
+        return LossTerms(tokens=outputs["lm_tokens"], logs={"lm_loss": float(outputs["lm_loss"].detach().mean())})
+
+    def answer_tokens(self, batch: Batch) -> int:
+        """The answer tokens of ``batch``'s real samples (what ``lm_tokens`` counts): the engine's token-mean
+        normaliser, summed over the accumulation window and the ranks before the window's first backward."""
+        target = batch.labels[:, 1:]
+        return int(((target != -100).sum(1) * (batch.valid > 0)).sum())
 
     @torch.no_grad()
     def generate(self, batch: Batch, max_new_tokens: int) -> list[str]:
@@ -68,6 +75,13 @@ class InstructionMethod(Method):
 
     def predict(self, batch: Batch) -> torch.Tensor:
         raise TypeError(f"method {self.name} generates answers; it has no class prediction")
+
+
+def lm_outputs(tokens: tuple[torch.Tensor, torch.Tensor]) -> dict[str, Any]:
+    """``train_outputs``' LM entries: ``lm_tokens`` (per-sample sums and counts, for ``LossTerms(tokens=...)``)
+    and ``lm_loss``, each sample's mean (logs, tests, the interference curve)."""
+    sums, counts = tokens
+    return {"lm_tokens": (sums, counts), "lm_loss": sums / counts.clamp_min(1)}
 
 
 def init_from_vocab(backbone: Any, shape: tuple[int, ...]) -> torch.nn.Parameter:

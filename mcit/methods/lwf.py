@@ -46,7 +46,9 @@ from torch import nn
 from mcit.core.registry import METHODS
 from mcit.data.types import Batch, TaskSequence
 from mcit.methods.base import LossTerms
+from mcit.methods.instruction import lm_outputs
 from mcit.methods.lora import DropoutLinear, Lora, SwiftLoRAParams
+from mcit.models.mllm import answer_token_ce
 
 
 class LwFParams(SwiftLoRAParams):
@@ -54,16 +56,6 @@ class LwFParams(SwiftLoRAParams):
     lwf_alpha: float = Field(0.001, ge=0, description="weight of the distillation term (the trainer's alpha)")
     kl_positions: Literal["all", "answer"] = Field("all", description="all: every non-padding position (official "
                                                                       "sum); answer: the answer tokens' positions")
-
-
-def answer_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Per-sample mean cross-entropy over the answer tokens (B,): ``MLLMBackbone.lm_loss`` on logits already
-    computed (the distillation term needs them too)."""
-    logits = logits[:, :-1].float()
-    target = labels[:, 1:]
-    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100,
-                         reduction="none").view(target.shape)
-    return ce.sum(1) / (target != -100).sum(1).clamp_min(1)
 
 
 def distillation(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -137,7 +129,7 @@ class LwF(Lora):
         teacher = self.teacher_logits(batch) if distil else None
         e, m, lab, pos, extra = self._inputs(batch)
         logits = self.backbone.logits(e, m, pos)
-        out = {"lm_loss": answer_ce(logits, lab), **extra}
+        out = {**lm_outputs(answer_token_ce(logits, lab)), **extra}
         if teacher is not None:
             t_logits, t_mask, t_lab = teacher
             mask = t_mask if self.params.kl_positions == "all" else (t_lab != -100)
@@ -145,10 +137,9 @@ class LwF(Lora):
         return out
 
     def loss(self, batch: Batch, outputs: dict[str, Any]) -> LossTerms:
-        lm = outputs["lm_loss"]
-        logs = {"lm_loss": float(lm.detach().mean())}
+        logs = {"lm_loss": float(outputs["lm_loss"].detach().mean())}
         if "distillation" not in outputs:
-            return LossTerms(per_sample=lm, task=lm, logs=logs)
+            return LossTerms(tokens=outputs["lm_tokens"], logs=logs)
         kd = outputs["distillation"]
         logs["lwf_loss"] = float(kd.detach().mean())
-        return LossTerms(per_sample=lm + self.params.lwf_alpha * kd, task=lm, logs=logs)
+        return LossTerms(per_sample=self.params.lwf_alpha * kd, tokens=outputs["lm_tokens"], logs=logs)

@@ -292,6 +292,6 @@ class ModalPrompt(InstructionMethod):
         if "align_image" not in outputs:  # the zero-shot model: no prompts
             return super().loss(batch, outputs)
         ai, at = outputs["align_image"], outputs["align_text"]
-        return LossTerms(per_sample=lm + ai + at, task=lm,
+        return LossTerms(per_sample=ai + at, tokens=outputs["lm_tokens"],
                          logs={"lm_loss": float(lm.detach().mean()), "align_image": float(ai.detach().mean()),
                                "align_text": float(at.detach().mean())})

@@ -29,10 +29,22 @@ on samples of every seen class's mixture (logits divided by 0.1 x their norm; SG
 ``gr_model: gaussian`` (the paper's ablation) replaces the second level's mixtures by one Gaussian per
 class; the first level keeps its ``mog_components`` mixture, as in the official code.
 
+Images, as mammoth (d003b9a) feeds them. The first level trains and fits its mixtures on CLIP's own
+preprocess (``end_to_end_model.py`` 244-249 swaps the train and test loaders' transform to the
+``clip_preprocess`` of ``clip.load``, ``first_stage_model.py`` 54: Resize(224, bicubic, shorter side),
+CenterCrop(224), CLIP's mean / std, no augmentation; ``update_statistics`` streams that train loader): the
+phase's ``image_pipeline`` is the CLIP backbone's own. The second level trains on the run's augmented
+crops and fits its mixtures on the same augmented train stream (``update_statistics`` in
+``end_to_end_model.py`` iterates ``dataset.train_loader``, one pass: ``num_monte_carlo_gr_second_stage`` 1);
+its CLIP query is the ViT's pixels re-normalised for CLIP (``second_stage_model.get_query``: denormalise, then
+CLIP's Normalize), at evaluation too. ``first_pipeline: backbone`` and ``second_statistics: eval`` are the
+earlier choices (the ViT's crops re-normalised for the first level, the eval preset for both levels'
+statistics).
+
 Departures from the official code: the mixtures are fitted by scikit-learn's EM (the official gmm-torch
 port has a wrong diagonal log-likelihood, see ``fit_mixture``); inference is per sample (the official
-code is too); the images reach CLIP re-normalised for CLIP from the ViT's pixels (the official code
-does the same with its denormalisation transform).
+code is too); the first level's CLIP runs in float32 (mammoth converts it to float16 while the first level
+trains, "for speedup").
 """
 
 from __future__ import annotations
@@ -46,7 +58,7 @@ from torch import nn
 
 from mcit.core.registry import METHODS
 from mcit.data.types import Batch, TaskSequence
-from mcit.methods.base import AuxiliaryBackbone, LayerList, LossTerms, Method, MethodParams, auxiliary_of
+from mcit.methods.base import AuxiliaryBackbone, ImagePipeline, LayerList, LossTerms, Method, MethodParams, auxiliary_of
 from mcit.methods.class_gaussians import fit_mixture, sample_mixture
 
 
@@ -63,6 +75,12 @@ class STARPromptParams(MethodParams):
     map_mask_gradient: Literal["all_current", "selected"] = Field(
         "all_current", description="which classes' a_c the masked score map trains: every current class (the "
                                    "official code: the mask is invisible to autograd) or only the selected one")
+    first_pipeline: Literal["clip", "backbone"] = Field(
+        "clip", description="the first level's images: CLIP's own preprocess, train and statistics (the official "
+                            "code), or the ViT's augmented crops re-normalised for CLIP (statistics: eval preset)")
+    second_statistics: Literal["augmented", "eval"] = Field(
+        "augmented", description="the second level's mixtures fitted on the augmented train stream (the official "
+                                 "code) or on the eval preset's images")
     # first level
     first_epochs: int | None = Field(None, ge=1, description="default: train.epochs")
     first_lr: float = Field(0.002, gt=0)
@@ -158,6 +176,14 @@ class STARPrompt(Method):
             out["epochs"] = p.first_epochs
         return out
 
+    @classmethod
+    def image_pipeline(cls, params: STARPromptParams, phase: str, stage: str) -> ImagePipeline:
+        if phase == "first":
+            return ImagePipeline(auxiliary="clip") if params.first_pipeline == "clip" else ImagePipeline()
+        if stage == "subspace":
+            return ImagePipeline(augment=params.second_statistics == "augmented")
+        return ImagePipeline()
+
     def before_task(self, task: int) -> None:
         super().before_task(task)
         if self.phase == "second" and task > 0 and self.params.enable_gr:
@@ -173,10 +199,12 @@ class STARPrompt(Method):
 
     # -- first level -------------------------------------------------------------------------------
     def clip_query(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """CLIP's (unnormalised) image embedding of the ViT's input images."""
+        """CLIP's (unnormalised) image embedding: of CLIP's own pixels in the first level with
+        ``first_pipeline: clip``, else of the ViT's input images re-normalised for CLIP."""
         self.clip.to(pixel_values.device)
-        px = self.clip.from_pixels_of(pixel_values, self.backbone.mean, self.backbone.std)
-        return self.clip.image_features(px, normalize=False)
+        if not (self.phase == "first" and self.params.first_pipeline == "clip"):
+            pixel_values = self.clip.from_pixels_of(pixel_values, self.backbone.mean, self.backbone.std)
+        return self.clip.image_features(pixel_values, normalize=False)
 
     def compute_keys(self, classes: list[int]) -> torch.Tensor:
         """Normalised text embeddings of "<ctx_c> <name_c>." for ``classes``."""

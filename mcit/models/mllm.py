@@ -73,6 +73,18 @@ def quantization_config(mode: str, dtype: torch.dtype, keep: tuple[str, ...] = (
     return BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=list(keep))
 
 
+def answer_token_ce(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The causal LM's cross-entropy of each answer token (``labels`` not -100, shifted by one as the model
+    predicts the next token), in float32: (B,) sums per sample and (B,) token counts. Their total over the
+    batch divided by the total count is LLaVA's ``LlavaLlamaForCausalLM.forward`` loss (CrossEntropyLoss's mean
+    over every answer token of the micro-batch)."""
+    logits = logits[:, :-1].float()
+    target = labels[:, 1:]
+    ce = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
+                                     ignore_index=-100, reduction="none").view(target.shape)
+    return ce.sum(1), (target != -100).sum(1)
+
+
 class MLLMBackbone(Backbone):
     """A frozen multimodal LLM and its processor. A family (one file: ``LlavaBackbone``, ``InstructBlipBackbone``,
     ``Qwen2VLBackbone``) names its transformers class and overrides the hooks below where it differs from
@@ -508,15 +520,17 @@ class MLLMBackbone(Backbone):
         extra = {} if positions is None else {"position_ids": positions}
         return self.causal_lm(inputs_embeds=embeds, attention_mask=attention_mask, use_cache=False, **extra).logits
 
+    def answer_token_loss(self, embeds: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor,
+                          positions: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B,) sums of the cross-entropy over each sample's answer tokens and (B,) their counts
+        (``answer_token_ce`` of the logits)."""
+        return answer_token_ce(self.logits(embeds, attention_mask, positions), labels)
+
     def lm_loss(self, embeds: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor,
                 positions: Any = None) -> torch.Tensor:
         """Per-sample mean cross-entropy over the answer tokens (B,)."""
-        logits = self.logits(embeds, attention_mask, positions)[:, :-1].float()
-        target = labels[:, 1:]
-        ce = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
-                                         ignore_index=-100, reduction="none").view(target.shape)
-        n = (target != -100).sum(1).clamp_min(1)
-        return ce.sum(1) / n
+        sums, counts = self.answer_token_loss(embeds, attention_mask, labels, positions)
+        return sums / counts.clamp_min(1)
 
     def decoding(self) -> "Decoding":
         """How this checkpoint asks to be decoded: its ``generation_config`` (``generation_config.json``), as

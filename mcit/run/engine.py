@@ -18,7 +18,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -281,20 +281,36 @@ def setup_engine(cfg: RunConfig, method: Method, world: int, steps_per_epoch: in
     return engine, stage
 
 
-def train_step(engine: Any, batch: Any, scale: float,
-               check: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[Any, bool]:
-    """Forward, loss weighting, backward and (at an accumulation boundary) the optimizer step.
+def step_loss(terms: Any, valid: torch.Tensor, scale: float, token_scale: float | None = None) -> torch.Tensor:
+    """The micro-batch's share of the accumulation window's objective (before DeepSpeed's averaging).
 
-    ``scale`` = world * grad_accum / real samples in the accumulation window over all ranks, so the
-    summed, valid-weighted per-sample losses become the global mean after DeepSpeed's averaging.
+    ``scale`` = world * grad_accum / real samples in the window over all ranks: the valid-weighted per-sample
+    terms summed and scaled become the global mean. ``token_scale`` = world * grad_accum / answer tokens in the
+    window over all ranks: the terms' ``tokens`` sums become the global token mean (``train.lm_loss_mean:
+    token``); None: each sample's token mean joins the per-sample terms (``sample``)."""
+    valid = valid.to(terms.per_sample.dtype)
+    if terms.tokens is not None and token_scale is not None:
+        sums, _ = terms.tokens
+        loss = (sums * valid.to(sums.dtype)).sum() * token_scale
+        if terms.sample_terms is not None:
+            loss = loss + (terms.sample_terms * valid).sum() * scale
+    else:
+        loss = (terms.per_sample * valid).sum() * scale
+    if terms.regularizer is not None:
+        loss = loss + terms.regularizer
+    return loss
+
+
+def train_step(engine: Any, batch: Any, scale: float,
+               check: Callable[[torch.Tensor], torch.Tensor] | None = None,
+               token_scale: float | None = None) -> tuple[Any, bool]:
+    """Forward, loss weighting (``step_loss``), backward and (at an accumulation boundary) the optimizer step.
+
     ``check(loss)`` runs before the backward (the trainer's non-finite guard; it may raise).
     Returns the method's LossTerms and whether the optimizer stepped.
     """
     terms = engine(batch)
-    valid = batch.valid.to(terms.per_sample.dtype)
-    loss = (terms.per_sample * valid).sum() * scale
-    if terms.regularizer is not None:
-        loss = loss + terms.regularizer
+    loss = step_loss(terms, batch.valid, scale, token_scale)
     if check is not None:
         loss = check(loss)
     engine.backward(loss)
@@ -304,6 +320,25 @@ def train_step(engine: Any, batch: Any, scale: float,
     if old is not None:
         _project_updates(engine.module, old)
     return terms, boundary
+
+
+def windows(steps: Iterable[tuple[int, Any]], gas: int) -> Iterator[list[tuple[int, Any]]]:
+    """(micro step, batch) pairs grouped by accumulation window (``step // gas``): the token-mean loss needs the
+    window's answer tokens before its first backward, as transformers' Trainer prefetches them."""
+    window: list[tuple[int, Any]] = []
+    for s, batch in steps:
+        if window and window[0][0] // gas != s // gas:
+            yield window
+            window = []
+        window.append((s, batch))
+    if window:
+        yield window
+
+
+def window_tokens(method: Any, window: list[tuple[int, Any]], device: torch.device) -> float:
+    """The answer tokens of the window's real samples summed over ranks (one all-reduce per window)."""
+    local = sum(method.answer_tokens(batch) for _, batch in window)
+    return float(dist.all_reduce_sum(torch.tensor([float(local)], dtype=torch.float64, device=device))[0])
 
 
 def seed_step(seed: int, device: torch.device) -> None:
@@ -377,8 +412,13 @@ class TaskTrainer:
             bar = progress_bar(total_opt_steps, f"task {task} train", "step", initial=gstep)
         engine.train()
         seen, t_start = 0, time.perf_counter()
-        loss_sum, valid_sum = 0.0, 0.0
+        loss_sum, valid_sum, token_sum, token_count = 0.0, 0.0, 0.0, 0.0
         skipped = 0
+        # the token-mean LM loss: a method whose loss has answer tokens, unless train.lm_loss_mean says sample
+        tokens = t.lm_loss_mean == "token" and method.token_loss
+
+        def logged_loss() -> float:
+            return loss_sum / max(valid_sum, 1) + (token_sum / max(token_count, 1) if tokens else 0.0)
 
         def check(loss: torch.Tensor) -> torch.Tensor:
             return finite_loss_guard(loss, task, gstep + 1)
@@ -390,64 +430,76 @@ class TaskTrainer:
         with contextlib.closing(stream) as batches:  # the loader workers stop here, whatever ends the loop
             for epoch, e in zip(range(epoch0, n_epochs), epochs):
                 # the range first: zip stops at the epoch's end without taking the next epoch's first batch
-                for s, batch in zip(range(e.skip_steps, steps_epoch), batches):
-                    w0 = (s // gas) * gas
+                for window in windows(zip(range(e.skip_steps, steps_epoch), batches), gas):
+                    w0 = (window[0][0] // gas) * gas
                     n_window = sum(global_valid(counts, k, B) for k in range(w0, w0 + gas))
                     if n_window == 0:
                         continue  # an all-padding accumulation window (same on every rank): no step at all
-                    seed_step(data_seed(cfg.seed + 7, task, epoch * 1_000_000 + s, rank), device)
-                    batch = batch.to(device, non_blocking=True)
-                    try:
-                        terms, boundary = train_step(engine, batch, world * gas / n_window, check)
-                    except _NonFiniteLoss as e:
-                        where = f"task {task} step {gstep + 1}: loss is {nonfinite_word(e.value)}"
-                        if t.on_nonfinite == "stop":
-                            raise NonFiniteError(f"{where} (train.on_nonfinite: stop; the last committed checkpoint "
-                                                 f"is kept)") from None
-                        skipped += 1
-                        self.logger.log({"task": task, "epoch": epoch, "step": gstep, "micro_step": s,
-                                         "nonfinite_skipped": skipped, "time": time.time()}, step=gstep)
-                        if skipped > t.max_nonfinite_steps:
-                            raise NonFiniteError(f"{where}; {skipped} micro-batches skipped in this task, more than "
-                                                 f"train.max_nonfinite_steps={t.max_nonfinite_steps}") from None
-                        continue
-                    if boundary:
-                        norm = engine.get_global_grad_norm()
-                        if norm is not None and not math.isfinite(float(norm)):  # the same global value on every rank
-                            raise NonFiniteError(f"task {task} step {gstep + 1}: gradient norm is "
-                                                 f"{nonfinite_word(float(norm))} (the update is already in the "
-                                                 f"weights, so this always stops; the last committed checkpoint "
-                                                 f"is kept)")
-                    valid = batch.valid.to(terms.per_sample.dtype)
-                    loss_sum += float((terms.per_sample.detach() * valid).sum())
-                    valid_sum += float(valid.sum())
-                    seen += global_valid(counts, s, B)
-                    if not boundary:
-                        continue
-                    gstep += 1
-                    rate = seen / max(time.perf_counter() - t_start, 1e-9)
-                    if bar is not None:
-                        bar.update(1)
-                        bar.set_postfix(loss=f"{loss_sum / max(valid_sum, 1):.4f}", samples_s=f"{rate:.1f}",
-                                        refresh=False)
-                    if gstep % t.log_every == 0 or gstep == total_opt_steps:
-                        rec = {"task": task, "epoch": epoch, "step": gstep,
-                               "loss": loss_sum / max(valid_sum, 1), "lr": engine.get_lr()[0], "samples_per_s": rate,
-                               **terms.logs, "time": time.time()}
-                        self.logger.log(rec, step=gstep)
-                        loss_sum, valid_sum = 0.0, 0.0
-                    nxt_epoch, nxt = (epoch, s + 1) if s + 1 < steps_epoch else (epoch + 1, 0)
-                    saved = gstep % t.checkpoint_every == 0 and gstep < total_opt_steps
-                    if saved:
-                        self.save_step(engine, step_dir, gstep, nxt_epoch, nxt, world)
-                    for callback in _step_callbacks:
-                        callback(task, gstep, engine)
-                    if preemption.agreed(self.preempt_request):
-                        if not saved:
-                            self.save_step(engine, step_dir, gstep, nxt_epoch, nxt, world)
+                    token_scale = world * gas / max(window_tokens(method, window, device), 1.0) if tokens else None
+                    for s, batch in window:
+                        seed_step(data_seed(cfg.seed + 7, task, epoch * 1_000_000 + s, rank), device)
+                        batch = batch.to(device, non_blocking=True)
+                        try:
+                            terms, boundary = train_step(engine, batch, world * gas / n_window, check, token_scale)
+                        except _NonFiniteLoss as e:
+                            where = f"task {task} step {gstep + 1}: loss is {nonfinite_word(e.value)}"
+                            if t.on_nonfinite == "stop":
+                                raise NonFiniteError(f"{where} (train.on_nonfinite: stop; the last committed "
+                                                     f"checkpoint is kept)") from None
+                            skipped += 1
+                            self.logger.log({"task": task, "epoch": epoch, "step": gstep, "micro_step": s,
+                                             "nonfinite_skipped": skipped, "time": time.time()}, step=gstep)
+                            if skipped > t.max_nonfinite_steps:
+                                raise NonFiniteError(f"{where}; {skipped} micro-batches skipped in this task, more "
+                                                     f"than train.max_nonfinite_steps={t.max_nonfinite_steps}"
+                                                     ) from None
+                            continue
+                        if boundary:
+                            norm = engine.get_global_grad_norm()
+                            # the same global value on every rank
+                            if norm is not None and not math.isfinite(float(norm)):
+                                raise NonFiniteError(f"task {task} step {gstep + 1}: gradient norm is "
+                                                     f"{nonfinite_word(float(norm))} (the update is already in the "
+                                                     f"weights, so this always stops; the last committed checkpoint "
+                                                     f"is kept)")
+                        valid = batch.valid.to(terms.per_sample.dtype)
+                        if token_scale is not None:  # the log shows the objective: token mean + per-sample terms
+                            sums, n_tokens = terms.tokens
+                            token_sum += float((sums.detach() * valid).sum())
+                            token_count += float((n_tokens * valid).sum())
+                            if terms.sample_terms is not None:
+                                loss_sum += float((terms.sample_terms.detach() * valid).sum())
+                        else:
+                            loss_sum += float((terms.per_sample.detach() * valid).sum())
+                        valid_sum += float(valid.sum())
+                        seen += global_valid(counts, s, B)
+                        if not boundary:
+                            continue
+                        gstep += 1
+                        rate = seen / max(time.perf_counter() - t_start, 1e-9)
                         if bar is not None:
-                            bar.close()
-                        raise preemption.Preempted(f"task {task}, optimizer step {gstep} (step checkpoint committed)")
+                            bar.update(1)
+                            bar.set_postfix(loss=f"{logged_loss():.4f}", samples_s=f"{rate:.1f}",
+                                            refresh=False)
+                        if gstep % t.log_every == 0 or gstep == total_opt_steps:
+                            rec = {"task": task, "epoch": epoch, "step": gstep,
+                                   "loss": logged_loss(), "lr": engine.get_lr()[0], "samples_per_s": rate,
+                                   **terms.logs, "time": time.time()}
+                            self.logger.log(rec, step=gstep)
+                            loss_sum, valid_sum, token_sum, token_count = 0.0, 0.0, 0.0, 0.0
+                        nxt_epoch, nxt = (epoch, s + 1) if s + 1 < steps_epoch else (epoch + 1, 0)
+                        saved = gstep % t.checkpoint_every == 0 and gstep < total_opt_steps
+                        if saved:
+                            self.save_step(engine, step_dir, gstep, nxt_epoch, nxt, world)
+                        for callback in _step_callbacks:
+                            callback(task, gstep, engine)
+                        if preemption.agreed(self.preempt_request):
+                            if not saved:
+                                self.save_step(engine, step_dir, gstep, nxt_epoch, nxt, world)
+                            if bar is not None:
+                                bar.close()
+                            raise preemption.Preempted(f"task {task}, optimizer step {gstep} (step checkpoint "
+                                                       f"committed)")
         if bar is not None:
             bar.close()
         state = consolidated_state(engine, stage)

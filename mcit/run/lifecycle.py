@@ -18,7 +18,7 @@ import torch
 from mcit.core import distributed as dist
 from mcit.core.registry import METHODS
 from mcit.data.shards import Split
-from mcit.methods.base import Method
+from mcit.methods.base import ImagePipeline, Method
 from mcit.models.base import Backbone, load_backbone
 from mcit.run.plan import Plan, ResolvedBackbone
 
@@ -50,6 +50,8 @@ class MethodHost:
         if self.plan.normalization is not None:  # the presets' Normalize, not the checkpoint's own
             self.backbone.use_normalization(*self.plan.normalization)
         self.auxiliary = {name: _load(aux, torch.float32) for name, aux in self.plan.auxiliary.items()}
+        for name, pre in self.plan.auxiliary_preprocessing.items():  # the mean / std its own pipeline ends with
+            self.auxiliary[name].use_normalization(tuple(pre.mean), tuple(pre.std))
 
     def build(self) -> Method:
         """A freshly built method (the same initial prompts on every rank and every rebuild)."""
@@ -68,27 +70,36 @@ class MethodHost:
         self.method.to(dist.device())
         return self.method
 
-    def collate(self, task: int, *, train: bool, split: Split | None = None, augment: bool | None = None) -> Callable:
+    def collate(self, task: int, *, train: bool, split: Split | None = None, augment: bool | None = None,
+                pipeline: ImagePipeline | None = None) -> Callable:
         """How raw samples of ``split`` (default task ``task``'s train or test split) become batches.
 
         ``augment`` (default: ``train``) picks ``data.train_transform`` over ``data.eval_transform``; the
         subspace and reference stages stream training data without it (VPT-NSP²'s official code collects its
         statistics with the eval transform, and statistics should not depend on the epoch's crops).
+        ``pipeline`` (the method's ``image_pipeline`` for a stage) overrides ``augment`` where it sets it, and
+        its ``auxiliary`` names a backbone whose own pipeline and normalisation make the batches instead.
         """
         from mcit.data import transforms
 
         own_split = split is None
         split = split or (self.plan.train[task] if train else self.plan.test[task])
+        if pipeline is not None and pipeline.augment is not None:
+            augment = pipeline.augment
         augment = train if augment is None else augment
+        labels = self.plan.sequence.label_to_index()
+        if own_split and self.cfg.data.schedule != "joint":  # a task's own split holds its classes only
+            classes = set(self.plan.sequence.tasks[task].classes)
+            labels = {label: i for label, i in labels.items() if i in classes}
+        if pipeline is not None and pipeline.auxiliary is not None:
+            steps = self.plan.auxiliary_preprocessing[pipeline.auxiliary].steps()
+            return self.auxiliary[pipeline.auxiliary].make_collate(split, task, train=train, label_index=labels,
+                                                                   transform=steps)
         data = self.cfg.data
         size = getattr(self.backbone, "image_size", 0)
         transform = transforms.build(data.train_transform if augment else data.eval_transform, train=augment, size=size,
                                      backbone=self.plan.preprocessing)
         extra = {"transform": transform} if transform.steps else {}  # a backbone without augmentation needs no argument
-        labels = self.plan.sequence.label_to_index()
-        if own_split and self.cfg.data.schedule != "joint":  # a task's own split holds its classes only
-            classes = set(self.plan.sequence.tasks[task].classes)
-            labels = {label: i for label, i in labels.items() if i in classes}
         return self.backbone.make_collate(split, task, train=train, label_index=labels,
                                           **extra)
 

@@ -30,7 +30,7 @@ from mcit.core.registry import METHODS
 from mcit.core.rundir import RunDir
 from mcit.data.loader import eval_batches
 from mcit.data.shards import DataError, Split
-from mcit.run.engine import JsonlLogger, TaskTrainer
+from mcit.run.engine import JsonlLogger, TaskTrainer, data_seed
 from mcit.run.evaluation import evaluate_row, first_task_loss
 from mcit.run.lifecycle import MethodHost
 from mcit.run.plan import Plan
@@ -105,11 +105,12 @@ class Pipeline:
                                         {"after_stage": key}))
         return RunDir.CURRENT_STATE
 
-    def _stream(self, split: Split, collate: Any, task: int) -> None:
-        """The subspace protocol over this rank's part of ``split`` (mcit.run.subspace_stage), then its log line."""
+    def _stream(self, split: Split, collate: Any, task: int, aug_seed: int | None = None) -> None:
+        """The subspace protocol over this rank's part of ``split`` (mcit.run.subspace_stage), then its log line;
+        ``aug_seed`` seeds the per-sample draws of an augmented stream."""
         cfg = self.cfg
         batches = eval_batches(split, rank=dist.rank(), world=dist.world_size(), batch_size=cfg.eval.batch_size,
-                               policy=cfg.data.split, collate=collate, loader=self.plan.loader)
+                               policy=cfg.data.split, collate=collate, loader=self.plan.loader, aug_seed=aug_seed)
         report = stream_statistics(self.host.method, batches, task)
         if report is not None and dist.is_main():
             self.logger.log({"event": "subspace", "task": task, **report, "time": time.time()})
@@ -139,7 +140,8 @@ class Pipeline:
                 tasks = [s if isinstance(s, str) else s.model_copy(update={"epochs": None}) for s in cfg.data.tasks]
                 cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"tasks": tasks})})
         trainer = TaskTrainer(cfg, self.logger, self.run_dir.preempt_request, self.plan.loader)
-        collate = self.host.collate(t, train=True)
+        pipeline = self.host.method_cls.image_pipeline(cfg.method.params(), phase, "train")
+        collate = self.host.collate(t, train=True, pipeline=pipeline)
         self.host.train(t, phase, lambda method: trainer.train(method, t, self.plan.train[t], collate,
                                                                 self.run_dir.step_dir(t, phase)))
         self._mark(key, method_state=self._save_current(key))
@@ -149,7 +151,12 @@ class Pipeline:
         key = f"{t}/subspace" + (f".{phase}" if phase else "")
 
         def stream(method: Any) -> None:
-            return self._stream(self.plan.train[t], self.host.collate(t, train=True, augment=False), t)
+            pipeline = self.host.method_cls.image_pipeline(self.cfg.method.params(), phase, "subspace")
+            augment = bool(pipeline.augment) and pipeline.auxiliary is None
+            collate = self.host.collate(t, train=True, augment=False, pipeline=pipeline)
+            # an augmented pass draws its own crops: another seed than any training epoch's
+            return self._stream(self.plan.train[t], collate, t,
+                                data_seed(self.cfg.seed + 29, t, 0, 0) if augment else None)
 
         self.host.subspace(t, phase, stream)
         self._mark(key, method_state=self._save_current(key))

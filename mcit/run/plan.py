@@ -46,6 +46,7 @@ class Plan:
     # (mean, std), which the presets decide; None for backbones that preprocess by themselves
     preprocessing: Any = None
     normalization: Any = None
+    auxiliary_preprocessing: dict[str, Any] = field(default_factory=dict)  # the auxiliary encoders' own, by name
     loader: LoaderOptions = field(default_factory=LoaderOptions)  # data.num_workers & co., read once
     replay: dict[str, list[str]] = field(default_factory=dict)  # data.replay: each earlier task's buffer keys
 

@@ -168,6 +168,7 @@ def preflight(cfg: RunConfig, base: Path | None = None, *, run_dir: Path | None 
         run.check_belongs_to(cfg)
     plan = Plan(cfg, run, names, train, test, sequence, backbone, auxiliary, scorers, reference, stage_names)
     plan.preprocessing, plan.normalization = image_pipeline(cfg, backbone)
+    plan.auxiliary_preprocessing = auxiliary_preprocessing(auxiliary)
     plan.loader = LoaderOptions.from_config(cfg.data)
     plan.replay = replay
     check_same_backbones(plan)
@@ -208,6 +209,18 @@ def image_pipeline(cfg: RunConfig, backbone: ResolvedBackbone) -> tuple[Any, Any
                           f"{evaluate}, but data.train_transform {cfg.data.train_transform!r} with {train}: the "
                           f"backbone must see one normalisation")
     return pre, train
+
+
+def auxiliary_preprocessing(auxiliary: dict[str, ResolvedBackbone]) -> dict[str, Any]:
+    """Each auxiliary image encoder's own inference pipeline (a method phase that streams it: ``ImagePipeline``)."""
+    from mcit.models.zoo import preprocessing_of
+
+    out = {}
+    for name, aux in auxiliary.items():
+        pre = preprocessing_of(aux.kind, str(aux.record.get("tag")), aux.directory)
+        if pre is not None:
+            out[name] = pre
+    return out
 
 
 def check_same_backbones(plan: Plan) -> None:

@@ -23,10 +23,12 @@ from mcit.run.subspace_stage import stream_statistics
 
 class CausalHolder:
     """What the LoRA family's instruction path reads of a multimodal backbone, on a text-only causal Llama: token
-    embeddings as the input embeddings, no prompts, the model's logits and ``MLLMBackbone.lm_loss`` on them."""
+    embeddings as the input embeddings, no prompts, the model's logits and ``MLLMBackbone``'s answer-token loss
+    on them."""
 
     task_type = "generation"
     lm_loss = MLLMBackbone.lm_loss
+    answer_token_loss = MLLMBackbone.answer_token_loss
 
     def __init__(self, causal) -> None:
         self.causal = causal

@@ -15,6 +15,7 @@ import torch
 
 from mcit.core.registry import METHODS
 from mcit.data.types import TaskSequence
+from mcit.methods.instruction import lm_outputs
 
 TOL = T.TOLERANCE["olora"]
 
@@ -46,7 +47,7 @@ def test_olora_trains_merges_and_regularises_as_the_official_code():
         for s, want in enumerate(rec["losses"]):
             opt.zero_grad()
             task = torch.nn.functional.mse_loss(lm(inputs_embeds=x).last_hidden_state, y)
-            terms = m.loss(None, {"lm_loss": task.reshape(1)})
+            terms = m.loss(None, lm_outputs((task.reshape(1), torch.ones(1, dtype=torch.long))))
             total = terms.per_sample.mean() + terms.regularizer
             T.assert_close(torch.tensor(terms.logs["orthogonal_loss"]), want["orthogonal"],
                            f"task {t} step {s}: orthogonal loss", TOL)

@@ -214,3 +214,36 @@ def test_every_tag_in_a_shipped_config_is_a_zoo_tag_of_its_kind():
             if key.endswith("_tag") and value not in Z.ZOO:
                 bad.append(f"{path.name}: method.{key} {value!r}")
     assert not bad, bad
+
+
+@pytest.mark.parametrize("config", [c for c in CONFIGS if c.stem.endswith("_star_prompt")], ids=lambda p: p.stem)
+def test_star_prompt_s_two_levels_stream_the_official_pixels(config):
+    """mammoth d003b9a: the first level trains and fits its statistics on ``clip.load``'s preprocess
+    (``end_to_end_model.py`` 244-249, ``first_stage_model.py`` 54: openai/CLIP ``_transform(224)``), so its
+    batches are the CLIP zoo tag's own pipeline, pixel for pixel and value for value (0.0 on the portrait and
+    landscape ImageNet-R sizes); the second level fits its statistics on the augmented train stream
+    (``update_statistics`` iterates ``dataset.train_loader``), whose steps the training test above checks."""
+    from mcit.core.registry import METHODS
+    from mcit.run.preflight import auxiliary_preprocessing
+
+    cfg = load_config(config)
+    cls, params = METHODS.get("star_prompt"), cfg.method.params()
+    assert [cls.image_pipeline(params, "first", s).auxiliary for s in ("train", "subspace")] == ["clip", "clip"]
+    second = cls.image_pipeline(params, "second", "subspace")
+    assert second.auxiliary is None and second.augment is True
+    assert cls.image_pipeline(params, "second", "train").augment is None  # the run's augmented train stream
+    aux = {"clip": ResolvedBackbone("clip", str(ROOT / params.clip_path), {"tag": params.clip_tag})}
+    pre = auxiliary_preprocessing(aux)["clip"]
+    recipe = REF["recipes"][REF["pipelines"]["openai-clip/any"]["recipe"]]
+    assert list(pre.mean) == recipe["normalize"]["mean"] and list(pre.std) == recipe["normalize"]["std"]
+    compose = pre.steps()
+    assert _same_steps(compose.describe(), recipe["eval_steps"]), (compose.describe(), recipe["eval_steps"])
+    bad = {}
+    for name, img in images().items():
+        t, px = _ours(compose, img, (pre.mean, pre.std))
+        ref = recipe["images"][name]
+        flat = t.reshape(-1)
+        worst = float(np.abs(flat[sample_positions(flat.size)] - np.asarray(ref["samples"])).max())
+        if diff := _cmp_record(t, px, ref) + ([f"sampled values differ by {worst:.3g}"] if worst != 0.0 else []):
+            bad[name] = diff
+    assert not bad, bad

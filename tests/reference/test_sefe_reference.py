@@ -18,6 +18,7 @@ import torch
 
 from mcit.core.registry import METHODS
 from mcit.data.types import TaskSequence
+from mcit.methods.instruction import lm_outputs
 
 H, LAYERS, HEADS, MLP, VOCAB = 16, 2, 2, 24, 32
 
@@ -86,7 +87,8 @@ def test_sefe_regularises_the_key_elements_and_trains_as_the_official_code():
         for s, want in enumerate(rec["steps"]):
             opt.zero_grad()
             out = logits(lm, head, x)
-            terms = m.loss(None, {"lm_loss": cross_entropy(out, labels).reshape(1)})
+            ce = cross_entropy(out, labels).reshape(1)  # the official mean over the batch's answer tokens
+            terms = m.loss(None, lm_outputs((ce, torch.ones(1, dtype=torch.long))))
             total = terms.per_sample.mean()
             if t == 0:
                 assert terms.regularizer is None and want["reg"] == 0

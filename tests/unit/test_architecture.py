@@ -246,10 +246,11 @@ def test_stages_are_declared_and_the_declarations_are_true():
         cls = METHODS.get(name)
         if not cls.__module__.startswith("mcit."):
             continue
-        overrides = {h for h in ("statistics", "project_update")
+        overrides = {h for h in ("statistics", "project_update", "answer_tokens")
                      if any(h in k.__dict__ for k in cls.__mro__ if k not in (Method, object))}
         assert cls.has_subspace_stage == ("statistics" in overrides), name
         assert cls.projects_updates == ("project_update" in overrides), name
+        assert cls.token_loss == ("answer_tokens" in overrides), name
 
 
 def _architecture() -> str:

@@ -275,6 +275,7 @@ def test_star_prompt_clip_goes_through_the_zoo_and_guards_resume(assets, clip_ba
     host = MethodHost(plan)
     first = host.build().clip
     assert host.load(host.method.state_dict()).clip is first and host.auxiliary == {"clip": first}
+    _check_star_prompt_phase_images(host, clip_backbone)
     with pytest.raises(ConfigError, match=r"method.clip_path: .*does not match backbone tag 'clip_vitl14_openai'"):
         preflight(cfg(clip_tag="clip_vitl14_openai"))
     from mcit.core.config import dump_config
@@ -286,6 +287,36 @@ def test_star_prompt_clip_goes_through_the_zoo_and_guards_resume(assets, clip_ba
                                                    "auxiliary": {"clip": {**rec, "sha256": "0" * 64}}}))
     with pytest.raises(RunDirError, match=r"method.clip_path checkpoint .* is not the one run .* started with"):
         preflight(cfg(clip_tag="tiny_clip"))
+
+
+def _check_star_prompt_phase_images(host, clip_backbone) -> None:
+    """The batches each STAR-Prompt stage streams (mammoth d003b9a): the first level's train and statistics
+    batches are CLIP's own preprocess of the raw images (equal to transformers' CLIP image processor on
+    this CLIP's preprocessor_config.json, no augmentation); the second level trains on the run's augmented
+    crops and fits its statistics on an augmented stream too (another seed: other crops)."""
+    import numpy as np
+    from transformers import CLIPImageProcessorPil
+
+    from mcit.data.shards import decode_sample, iter_samples
+
+    cls, params = type(host.method), host.method.params
+    samples = list(iter_samples(host.plan.train[0], 0, 1))[:6]
+    images = [decode_sample(s)[0].convert("RGB") for s in samples]
+    want = CLIPImageProcessorPil.from_pretrained(clip_backbone)(images, return_tensors="np")["pixel_values"]
+    for stage in ("train", "subspace"):
+        got = host.collate(0, train=True, pipeline=cls.image_pipeline(params, "first", stage))(samples, seed=3)
+        assert got.pixel_values.shape[-1] == host.auxiliary["clip"].image_size
+        assert np.abs(got.pixel_values.numpy() - want).max() < 1e-6, stage
+    vit = host.collate(0, train=True)(samples, seed=3).pixel_values  # the run's own (l2p crops, ViT mean / std)
+    assert not torch.allclose(vit, torch.from_numpy(want), atol=1e-2)
+    second = cls.image_pipeline(params, "second", "subspace")
+    assert second.auxiliary is None and second.augment is True
+    stats = host.collate(0, train=True, augment=False, pipeline=second)
+    assert torch.equal(stats(samples, seed=3).pixel_values, vit)  # the train stream's crops for that seed
+    assert not torch.equal(stats(samples, seed=4).pixel_values, vit)
+    old = params.model_copy(update={"first_pipeline": "backbone", "second_statistics": "eval"})
+    assert cls.image_pipeline(old, "first", "train").auxiliary is None
+    assert cls.image_pipeline(old, "second", "subspace").augment is False
 
 
 @pytest.mark.parametrize("mode", ["all_current", "selected"])

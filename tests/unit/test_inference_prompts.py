@@ -4,6 +4,7 @@ the script and lines the rule comes from (read at the commits named in data_prep
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -56,3 +57,34 @@ def test_fin_picks_its_instruction_by_the_exact_answer():
 def test_a_task_missing_from_the_table_is_named():
     with pytest.raises(KeyError, match="no official inference prompt recorded for coin task 'nocaps'"):
         P.official("coin", "nocaps")
+
+
+# every shipped benchmark config, by its name's prefix
+BENCHMARK_OF = {"coin": "coin", "ucit": "ucit", "dcl": "mllm_dcl", "acl": "mllm_acl"}
+BENCH_CONFIGS = sorted(p for p in (Path(__file__).resolve().parents[2] / "configs").glob("*.yaml")
+                       if p.name.split("_")[0] in BENCHMARK_OF)
+
+
+def test_every_task_has_its_official_generation_cap_with_its_source():
+    assert sorted(P.MAX_NEW_TOKENS) == sorted(SHIPPED)
+    for n, source in [*P.MAX_NEW_TOKENS.values(), *P.METHOD_MAX_NEW_TOKENS.values()]:
+        assert n >= 1 and re.search(r"\b\w+/[\w-]+ [0-9a-f]{7} \S+\.py", source), source
+    assert P.official_max_new_tokens("ucit", "arxivqa", "lora") == 256
+    assert P.official_max_new_tokens("ucit", "arxivqa", "sefe") == 1024
+    assert P.official_max_new_tokens("mllm_dcl", "fin", "sefe") == 128  # only UCIT's differ per folder
+    with pytest.raises(KeyError, match="no official generation cap recorded for coin task 'nocaps'"):
+        P.official_max_new_tokens("coin", "nocaps", "lora")
+
+
+@pytest.mark.parametrize("config", BENCH_CONFIGS, ids=lambda p: p.stem)
+def test_each_shipped_benchmark_config_generates_with_the_official_caps(config):
+    """The official scripts' own max_new_tokens take precedence over eval.max_new_tokens: each task of a shipped
+    benchmark config carries its official cap (the method's folder's, where MCITlib's differs)."""
+    from mcit.core.config import load_config
+
+    cfg = load_config(config)
+    bench = BENCHMARK_OF[config.name.split("_")[0]]
+    names = [t if isinstance(t, str) else t.name for t in cfg.data.tasks]
+    got = {n: cfg.task_max_new_tokens(i) for i, n in enumerate(names)}
+    want = {n: P.official_max_new_tokens(bench, n, cfg.method.name) for n in names}
+    assert got == want

@@ -833,3 +833,62 @@ def test_joint_schedule_and_validation_carve_plan_one_stage_on_every_tasks_fit_p
     assert all(0 < t.num_samples < s.num_samples for t, s in zip(plan.test, seq.train))
     assert {t.location for t in plan.test}.isdisjoint({t.location for t in seq.test})
     assert seq.num_stages == 2 and seq.stage_names == seq.names
+
+
+def test_the_lm_loss_is_llava_s_token_mean_over_the_window_and_the_ranks(llava):
+    """LLaVA's trainer (``LlavaLlamaForCausalLM.forward``; MCITlib's, CoIN's and SEFE's are the same) averages the
+    cross-entropy over every answer token of the batch: transformers' ``LlavaForConditionalGeneration.forward``
+    with ``labels`` computes it so. With answers of 1 to 9 words in one batch, the engine's objective (``step_loss``
+    with the window's answer tokens, summed over micro-batches and ranks as DeepSpeed averages them) equals that
+    loss for one micro-batch, for two accumulation steps and for two ranks x two steps; ``train.lm_loss_mean:
+    sample`` (each sample's mean, averaged) is another objective, and one the split into micro-batches does not
+    move either. The gradients agree as the values do."""
+    from mcit.core.registry import METHODS
+    from mcit.data.types import TaskSequence
+    from mcit.run.engine import step_loss
+
+    bb, split, samples = llava
+    mixed = []
+    for i, s in enumerate(samples[:6]):
+        rec = json.loads(s["json"])
+        rec["conversations"][1]["value"] = " ".join([rec["answers"][0]] * (1, 9, 2, 5, 1, 3)[i])
+        mixed.append({**s, "json": json.dumps(rec).encode()})
+    collate = bb.make_collate(split, 0, train=True)
+    cls = METHODS.get("lora")
+    m = cls(cls.Params(r=2), bb, TaskSequence.from_label_spaces(["c"], [[]]))  # B = 0: the pre-trained model
+    torch.manual_seed(0)
+    for p in m.trainable_parameters():  # non-zero adapters, so that the gradients say something
+        torch.nn.init.normal_(p, std=0.05)
+    full = collate(mixed)
+    counts = full.labels[:, 1:].ne(-100).sum(1)
+    assert len(set(counts.tolist())) >= 4, counts  # the answers' lengths differ
+
+    def objective(parts: list[list[int]], world: int, mode: str) -> tuple[float, list[torch.Tensor]]:
+        """``parts``: each rank's micro-batches (sample indices), as the engine runs one accumulation window."""
+        gas = len(parts) // world
+        batches = [collate([mixed[i] for i in p]) for p in parts]
+        n_samples = sum(len(p) for p in parts)
+        n_tokens = sum(m.answer_tokens(b) for b in batches)  # window_tokens' all-reduce
+        for p in m.trainable_parameters():
+            p.grad = None
+        total = 0.0
+        for b in batches:
+            loss = step_loss(m(b), b.valid, world * gas / n_samples,
+                             world * gas / n_tokens if mode == "token" else None) / (world * gas)
+            loss.backward()  # DeepSpeed: 1 / gas per micro-batch, the mean over ranks
+            total += float(loss)
+        return total, [p.grad.clone() for p in m.trainable_parameters()]
+
+    ref = bb.model(input_ids=full.inputs["input_ids"], attention_mask=full.inputs["attention_mask"],
+                   pixel_values=full.pixel_values, labels=full.labels).loss
+    per_sample = float(m(full).per_sample.detach().mean())
+    one, g_one = objective([[0, 1, 2, 3, 4, 5]], 1, "token")
+    gas2, g_gas2 = objective([[0, 1, 2], [3, 4, 5]], 1, "token")
+    ranks, g_ranks = objective([[0], [1, 2], [3, 4], [5]], 2, "token")
+    assert abs(one - float(ref)) < 1e-5 and abs(gas2 - one) < 1e-5 and abs(ranks - one) < 1e-5, (ref, gas2, ranks)
+    for a, b, c in zip(g_one, g_gas2, g_ranks):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-4) and torch.allclose(a, c, atol=1e-6, rtol=1e-4)
+    sample_one, _ = objective([[0, 1, 2, 3, 4, 5]], 1, "sample")
+    sample_gas2, _ = objective([[0, 1, 2], [3, 4, 5]], 1, "sample")
+    assert abs(sample_one - per_sample) < 1e-5 and abs(sample_gas2 - sample_one) < 1e-5
+    assert abs(sample_one - float(ref)) > 100 * 1e-5, (sample_one, float(ref))  # another objective
