@@ -164,6 +164,23 @@ def sample(img: Image) -> dict:
     return {"__key__": "q", "png": buf.getvalue(), "json": json.dumps({"conversations": conv}).encode()}
 
 
+# Answers of 1 to 12 words (one-word VQA beside a caption, as UCIT and CoIN mix them), for the loss fixture
+LOSS_ANSWERS = ["red", "a red box on the left of the image", "two", "the image shows a red box and a blue sky",
+                "yes", "a box"]
+
+
+def loss_samples(img: Image) -> list[dict]:
+    """One batch of training samples whose answers differ in length (``LOSS_ANSWERS``), each the question of
+    ``sample`` with its own answer: the micro-batch LLaVA's trainer averages over every answer token."""
+    out = []
+    for i, answer in enumerate(LOSS_ANSWERS):
+        s = sample(img)
+        conv = json.loads(s["json"])["conversations"]
+        conv[1]["value"] = answer
+        out.append({**s, "__key__": f"loss{i}", "json": json.dumps({"conversations": conv}).encode()})
+    return out
+
+
 def image() -> Image:
     """A fixed 40 x 24 RGB image (wider than high, so LLaVA's expand2square padding matters): a gradient with a
     red rectangle off centre."""
