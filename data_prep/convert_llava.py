@@ -19,7 +19,9 @@ The tokenizer gets ``<image>`` (a special token after the vocabulary) and ``<pad
 them, and the vocabulary is padded to a multiple of 64 (32000 -> 32064). The new embedding and output rows are
 the mean of the old ones (transformers' script samples them around that mean): the image token's embedding is
 never read (image features replace it) and a mean output row is never a strict greedy maximum. LLaVA's own model
-has no such rows (it splices image features at index -200), so its logits are the first ``vocab_size`` columns.
+has no such rows (it splices image features at index -200), so its logits are the first ``vocab_size`` columns:
+with ``chat_format: vicuna_v1`` the backbone masks the added rows out of the softmax (``MLLMBackbone._output_vocab``),
+and the training loss is LLaVA's own (tests/reference/test_llava_sentencepiece.py).
 
 The processor is transformers' ``LlavaProcessor`` with ``LlavaImageProcessor`` set to pad to a square with the mean
 colour first (``image_aspect_ratio: pad``, LLaVA's ``expand2square``), the CLIP directory's resize / crop /

@@ -129,8 +129,22 @@ class MLLMBackbone(Backbone):
         tok_id = getattr(cfg, "image_token_index", None)
         self.image_token_id = int(tok_id if tok_id is not None else cfg.image_token_id)
         self.hidden_size = int(cfg.text_config.hidden_size)
+        self.output_vocab = self._output_vocab(model)
         self.image_query_dim = self.pooled_image_dim()
         self.text_query_dim = self.hidden_size
+
+    def _output_vocab(self, model: nn.Module) -> int | None:
+        """The ids LLaVA-1.5's own model predicts (``chat_format: vicuna_v1``: run as the original LLaVA): Vicuna's
+        vocabulary, ``tokenizer.vocab_size``. llava-hf's checkpoints and ``data_prep.convert_llava`` add ``<image>``,
+        ``<pad>`` and padding rows to a multiple of 64 after it; the original model has no such outputs (it splices
+        image features at index -200). Their logits would enter the softmax and move the loss (on the
+        SentencePiece fixture, 20 added rows of 320: the answer tokens' cross-entropy by 0.8%), so ``logits`` masks
+        them and generation never picks them. None where nothing is masked."""
+        base = getattr(self.tokenizer, "vocab_size", None)
+        rows = int(model.config.text_config.vocab_size)
+        if self.kind == "llava" and self.chat_format == "vicuna_v1" and base and int(base) < rows:
+            return int(base)
+        return None
 
     # -- the families ------------------------------------------------------------------------------
     @staticmethod
@@ -518,7 +532,10 @@ class MLLMBackbone(Backbone):
         """The LLM's next-token logits (B, L, V) on input embeddings (``positions``: what ``positions`` gave,
         moved by ``insert_prompts``)."""
         extra = {} if positions is None else {"position_ids": positions}
-        return self.causal_lm(inputs_embeds=embeds, attention_mask=attention_mask, use_cache=False, **extra).logits
+        logits = self.causal_lm(inputs_embeds=embeds, attention_mask=attention_mask, use_cache=False, **extra).logits
+        if self.output_vocab is not None:  # rows the original model does not have: no probability at all
+            logits[..., self.output_vocab:] = torch.finfo(logits.dtype).min / 2
+        return logits
 
     def answer_token_loss(self, embeds: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor,
                           positions: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -544,7 +561,7 @@ class MLLMBackbone(Backbone):
         eos = [int(e) for e in (eos if isinstance(eos, list) else [eos])]
         penalty = getattr(gc, "repetition_penalty", None)
         return Decoding(eos=eos, pad=int(self.tokenizer.pad_token_id),
-                        repetition_penalty=1.0 if penalty is None else float(penalty))
+                        repetition_penalty=1.0 if penalty is None else float(penalty), output_vocab=self.output_vocab)
 
     @torch.no_grad()
     def generate(self, embeds: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
@@ -620,13 +637,27 @@ class Decoding:
     eos: list[int]
     pad: int
     repetition_penalty: float = 1.0
+    output_vocab: int | None = None  # ids from here on are never generated (``MLLMBackbone._output_vocab``)
 
     def processors(self, seen_ids: torch.Tensor | None) -> list[Any]:
         """transformers' logits processors for these settings, the prompt's ``seen_ids`` counted before the tokens
         generated so far (transformers' generate gets them as its input ids; here the prompt is embeddings)."""
-        if self.repetition_penalty == 1.0:
-            return []
-        return [_PromptCounted(self.repetition_penalty, seen_ids)]
+        out: list[Any] = [] if self.repetition_penalty == 1.0 else [_PromptCounted(self.repetition_penalty, seen_ids)]
+        if self.output_vocab is not None:
+            out.append(_SuppressFrom(self.output_vocab))
+        return out
+
+
+class _SuppressFrom:
+    """Scores of the ids from ``first`` on set to -inf: ids the original model cannot output."""
+
+    def __init__(self, first: int) -> None:
+        self.first = first
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        scores = scores.clone()
+        scores[..., self.first:] = float("-inf")
+        return scores
 
 
 class _PromptCounted:
