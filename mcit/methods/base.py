@@ -277,7 +277,7 @@ class Method(nn.Module):
     def answer_tokens(self, batch: Batch) -> int:
         """The answer tokens of ``batch``'s real samples, for a method that declares ``token_loss`` (the engine's
         token-mean normaliser)."""
-        raise NotImplementedError(f"method {self.name} declares no token loss")
+        raise TypeError(f"method {self.name} declares no token loss (token_loss is False): nothing to count")
 
     def task_loss(self, batch: Batch) -> torch.Tensor:
         """Per-sample training loss of ``batch`` as data of task ``batch.task``, without an update: the
