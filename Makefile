@@ -15,7 +15,7 @@ CIL_CONFIGS  ?= $(foreach m,$(CIL_METHODS),configs/digits_$(m).yaml)
 DATA_ENV := DS_ACCELERATOR=cpu
 RUN := PATH=$(abspath $(BIN)):$$PATH DS_ACCELERATOR=cpu CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1
 
-.PHONY: install data data-cil demo demo-more demo-cil study-cil study-mcit sweep-demo lint test test-unit test-numerics mutate bench clean clean-data
+.PHONY: install data data-cil demo demo-more demo-cil study-cil study-mcit instrument-mcit instrument-cil sweep-demo lint test test-unit test-numerics mutate bench clean clean-data
 
 install: $(VENV)/.installed
 
@@ -107,8 +107,17 @@ demo-cil: data-cil
 # not rank these methods (their spread over seeds is larger than most gaps between them).
 CIL_SEEDS ?= 0 1 2
 study-cil: data-cil
-	$(RUN) $(BIN)/python -m pipelines.sweep $(foreach c,$(CIL_CONFIGS),--config $(c)) --seeds $(CIL_SEEDS) \
-	  --name cil_seeds --nproc $(NPROC)
+	$(RUN) $(BIN)/python -m pipelines.sweep --spec configs/sweeps/cil_seeds.yaml --seeds $(CIL_SEEDS) --nproc $(NPROC)
+
+# The embedded benchmarks as a measuring instrument (bench/instrument.py): every method of the seeds study over 3
+# seeds, and its seed 0 under each CPU kernel set this machine emulates (ATen / MKL / oneDNN held to AVX2 and to
+# their portable paths), each set on the backbones it pre-trained itself, and once more on the native backbones
+# (pre-training's part against continual training's); the report goes to docs/instrument_<benchmark>.md.
+instrument-mcit: data data-cil
+	$(BIN)/python -m bench.instrument --benchmark mcit --split-source --nproc $(NPROC) --doc docs/instrument_mcit.md
+
+instrument-cil: data-cil
+	$(BIN)/python -m bench.instrument --benchmark cil --split-source --nproc $(NPROC) --doc docs/instrument_cil.md
 
 # A study: VPT-NSP²'s stability-plasticity curve over eta, 3 seeds, on the embedded benchmark (15 runs, each on
 # NPROC CPU ranks through the DeepSpeed launcher), then the aggregated table and figures in runs/sweeps/.
