@@ -44,7 +44,9 @@ def test_the_cil_spec_is_the_makefile_s_list_of_cil_configs():
 def test_a_kernel_set_s_environment_replaces_what_the_caller_set(monkeypatch):
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx512")
     monkeypatch.setenv("DNNL_MAX_CPU_ISA", "AVX512_CORE")
+    monkeypatch.setenv("MKL_CBWR", "COMPATIBLE")
     env = I.kernel_env("avx2")
+    assert "MKL_CBWR" not in env
     assert (env["ATEN_CPU_CAPABILITY"], env["DNNL_MAX_CPU_ISA"], env["OMP_NUM_THREADS"]) == ("avx2", "AVX2", "1")
     native = I.kernel_env("native")
     assert "ATEN_CPU_CAPABILITY" not in native and "DNNL_MAX_CPU_ISA" not in native
