@@ -617,7 +617,10 @@ class MLLMBackbone(Backbone):
         ``generate`` would recompute positions from input ids the embeddings no longer match). Each
         new token takes the next position after the row's largest one, in all three sections."""
         B = embeds.shape[0]
-        first = self.model(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=positions, use_cache=True)
+        # logits_to_keep=1: only the last position's logits (as transformers' generate asks): the whole prompt's
+        # would cost a (B, T, vocab) tensor and the output layer over every prompt token (1.6x the pass on Qwen2-VL)
+        first = self.model(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=positions, use_cache=True,
+                           logits_to_keep=1)
         nxt = positions.amax(dim=(0, 2)) + 1  # (B,)
         mask = [attention_mask]
 
@@ -642,7 +645,8 @@ class Decoding:
     def processors(self, seen_ids: torch.Tensor | None) -> list[Any]:
         """transformers' logits processors for these settings, the prompt's ``seen_ids`` counted before the tokens
         generated so far (transformers' generate gets them as its input ids; here the prompt is embeddings)."""
-        out: list[Any] = [] if self.repetition_penalty == 1.0 else [_PromptCounted(self.repetition_penalty, seen_ids)]
+        out: list[Any] = [] if self.repetition_penalty == 1.0 else [
+            _PromptCounted(self.repetition_penalty, seen_ids, self.pad)]
         if self.output_vocab is not None:
             out.append(_SuppressFrom(self.output_vocab))
         return out
@@ -661,12 +665,15 @@ class _SuppressFrom:
 
 
 class _PromptCounted:
-    """transformers' ``RepetitionPenaltyLogitsProcessor`` over the prompt's ids followed by the generated ones."""
+    """transformers' ``RepetitionPenaltyLogitsProcessor`` over the prompt's ids followed by the generated ones. The
+    prompt's left padding is not counted, as transformers' ``generate`` leaves it out (``prompt_ignore_length`` =
+    the padding length of each row): a padding id in the prompt does not make the model less likely to say it."""
 
-    def __init__(self, penalty: float, seen_ids: torch.Tensor | None) -> None:
+    def __init__(self, penalty: float, seen_ids: torch.Tensor | None, pad: int) -> None:
         from transformers import RepetitionPenaltyLogitsProcessor
 
-        self.inner = RepetitionPenaltyLogitsProcessor(penalty)
+        lead = None if seen_ids is None else (seen_ids != pad).int().argmax(dim=1)
+        self.inner = RepetitionPenaltyLogitsProcessor(penalty, prompt_ignore_length=lead)
         self.seen = seen_ids
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
