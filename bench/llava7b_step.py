@@ -140,22 +140,27 @@ def time_generation(method, model, batch, new_tokens: int, vocab: int, rounds: i
     from tokenizers.pre_tokenizers import WhitespaceSplit
     from transformers import PreTrainedTokenizerFast
 
-    words = Tokenizer(WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    # padding and EOS get names no word contains: special tokens named "w0" / "w2" were found inside "w29720",
+    # which then counted as four tokens
+    names = {f"w{i}": i for i in range(vocab)}
+    names.pop("w0"), names.pop("w2")
+    words = Tokenizer(WordLevel({**names, "<pad>": 0, "</s>": 2}, unk_token="<pad>"))
     words.pre_tokenizer = WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(tokenizer_object=words, pad_token="w0", eos_token="w2")
+    tok = PreTrainedTokenizerFast(tokenizer_object=words, pad_token="<pad>", eos_token="</s>")
     method.backbone.tokenizer = tok
     method.eval()
     ids, mask = batch.inputs["input_ids"], batch.inputs["attention_mask"]
     pixels = batch.pixel_values.to(torch.bfloat16)
 
     def ours() -> int:
-        return sum(len(tok.encode(a)) for a in method.generate(batch, new_tokens))
+        return sum(len(a.split()) for a in method.generate(batch, new_tokens))  # words = tokens, EOS not counted
 
     @torch.no_grad()
     def hf() -> int:
         out = model.generate(input_ids=ids, pixel_values=pixels, attention_mask=mask, max_new_tokens=new_tokens,
                              do_sample=False, num_beams=1, pad_token_id=0, eos_token_id=2)
-        return int((out[:, ids.shape[1]:] != 0).sum())
+        new = out[:, ids.shape[1]:]
+        return int(((new != 0) & (new != 2)).sum())
 
     times: dict[str, list[float]] = {"method generate": [], "transformers generate": []}
     made: dict[str, int] = {}
