@@ -411,9 +411,9 @@ def run_family(fam: Family, args: argparse.Namespace, method_cls: Any, seq: Any,
     method = method_cls(method_cls.Params(), bb, seq).to(device)
     engine, _ = setup_engine(run, method, dist.world_size())
     try:
-        with torch.no_grad():  # the LLM's tokens per sample, prompts included (what the step's LLM pass sees)
-            _, mask, _, _, _ = method._inputs(train_batch)
-        t_lm = float(mask.sum(1).float().mean())
+        # the LLM's tokens per sample, prompts included (what the step's LLM pass sees), as llava7b_step counts them
+        t_lm = float(train_batch.inputs["attention_mask"].sum(1).float().mean()) + \
+            getattr(method.params, "top_n", 1) * getattr(method.params, "prompt_length", 0)
         t_img = float((train_batch.inputs["input_ids"] == bb.image_token_id).sum(1).float().mean())
         t_vis = fam.vision_tokens(train_batch, model.config)
         if cuda:
