@@ -191,3 +191,23 @@ def test_a_batch_is_its_samples_alone(family, mcit_assets):
         ei, mi, _, pi = bb.insert_prompts(alone[i], one.inputs["attention_mask"], prompts[i:i + 1], None,
                                           bb.positions(one))
         assert bb.generate(ei, mi, 3, pi) == together[i:i + 1]
+
+
+def test_repetition_penalty_leaves_the_prompt_s_left_padding_out_as_generate_does():
+    """transformers' generate passes each row's padding length as ``prompt_ignore_length``: a padding id in the
+    left padding is not penalised, an id in the prompt's real tokens and one generated are (a random tiny Qwen
+    answered differently from generate when mcit counted the padding)."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    from mcit.models.mllm import Decoding
+
+    pad = 0
+    seen = torch.tensor([[pad, pad, 5, 6], [7, 8, 9, 5]])  # row 0 left-padded, row 1 full
+    generated = torch.tensor([[3], [pad]])
+    scores = torch.full((2, 12), 2.0)
+    (proc,) = Decoding(eos=[1], pad=pad, repetition_penalty=1.5).processors(seen)
+    got = proc(generated, scores.clone())
+    want = RepetitionPenaltyLogitsProcessor(1.5, prompt_ignore_length=torch.tensor([2, 0]))(
+        torch.cat([seen, generated], 1), scores.clone())
+    assert torch.equal(got, want)
+    assert got[0, pad] == 2.0 and got[0, 5] == got[0, 3] == 2.0 / 1.5 and got[1, pad] == 2.0 / 1.5
