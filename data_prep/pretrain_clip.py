@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from data_prep.common import build_environment, builder_main, single_threaded
+from data_prep.common import build_environment, builder_main, portable_kernels
 
 SETTINGS_FILE = "pretraining.json"
 SHAPE_TEMPLATES = ["a photo of a {}.", "a drawing of a {}.", "a blurry photo of a {}.", "a sketch of a {}."]
@@ -78,7 +78,7 @@ def to_pixels(images: list, size: int) -> Any:
     return ((x - 0.5) / 0.5).contiguous()
 
 
-@single_threaded
+@portable_kernels
 def pretrain(out: Path, *, vision_hidden: int = 64, vision_layers: int = 4, text_hidden: int = 64, text_layers: int = 2,
              heads: int = 4, projection_dim: int = 32, image_size: int = 16, patch_size: int = 4,
              n_train: int = 16000, epochs: int = 6, batch_size: int = 128, lr: float = 2e-3, seed: int = 0,

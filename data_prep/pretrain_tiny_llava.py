@@ -18,12 +18,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from data_prep.common import build_environment, builder_main, single_threaded
+from data_prep.common import build_environment, builder_main, portable_kernels
 
 SETTINGS_FILE = "pretraining.json"
 
 
-@single_threaded
+@portable_kernels
 def pretrain(shards: Path, out: Path, *, epochs: int = 6, batch_size: int = 32, lr: float = 3e-3,
              text_hidden: int = 128, text_layers: int = 3, vision_hidden: int = 64, vision_layers: int = 4,
              patch_size: int = 8, vision_samples: int = 8000, vision_epochs: int = 6, seed: int = 0,

@@ -21,7 +21,7 @@ from mcit.data.instructions import write_instruction_split
 from mcit.data.shards import open_split
 
 
-def build(out: Path, *, seed: int = 0, n_train: int = 384, n_test: int = 400, n_base: int = 6000,
+def build(out: Path, *, seed: int = 0, n_train: int = 384, n_test: int = 600, n_base: int = 6000,
           n_base_test: int = 256, shard_size: int = 64, force: bool = False) -> dict:
     settings = dict(seed=seed, n_train=n_train, n_test=n_test, n_base=n_base, n_base_test=n_base_test,
                     shard_size=shard_size)

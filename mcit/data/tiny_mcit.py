@@ -33,25 +33,50 @@ POSITIONS = ["left", "right", "top", "bottom"]
 NUMBERS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 SIZE = 32
 
-# The base mix teaches every skill under its own phrasing; the continual tasks ask for the same
-# skills with instructions the model has never seen (as CoIN's tasks reuse an MLLM's skills with new
-# instructions and answer conventions), so zero-shot the model answers the wrong thing.
-BASE_QUESTIONS = {
-    "caption": "Describe the image.",
-    "shape": "What shape is this?",
-    "colour": "Name the colour of the object.",
-    "count": "Count the objects.",
-    "position": "On which side is the object?",
-    "digit": "Read the number.",
+# The base mix teaches every skill under its own phrasings (one-word answers) and captions of every scene family, so
+# the pre-trained model *has* the skills (colours, counts, positions, digits), as a real MLLM has far more than its
+# tasks. The continual tasks ask for the same skills with instructions the model has never seen (as CoIN's tasks
+# reuse an MLLM's skills with new instructions and answer conventions), each in many phrasings.
+BASE_QUESTIONS = {"caption": "Describe the image."}
+SKILL_QUESTIONS: dict[str, list[str]] = {
+    "shape": ["What shape is this?", "Name the shape.", "Which shape is it?"],
+    "colour": ["Name the colour of the object.", "Which colour is the object?", "Say the object's colour."],
+    "count": ["Count the objects.", "Give the number of objects.", "Say how many objects."],
+    "position": ["On which side is the object?", "Which side is the object on?", "Say the object's side."],
+    "digit": ["Read the number.", "Which number is it?", "Say the number."],
 }
-QUESTIONS = {
-    "caption": "Describe the image.",
-    "shape": "What shape is this?",
-    "colour": "What colour is the shape?",
-    "count": "How many shapes are there?",
-    "position": "Where is the shape?",
-    "digit": "Which digit is written here?",
+PARAPHRASES: dict[str, list[str]] = {
+    "colour": ["What colour is the figure?", "What is the colour of the figure?", "Which colour does the figure have?",
+               "Name the colour of the figure.", "Tell me the colour of the figures.",
+               "What colour are the figures painted?"],
+    "count": ["How many figures are there?", "How many figures can you see?", "Count the figures.",
+              "What is the number of figures?", "Tell me how many figures there are.",
+              "How many figures are in the picture?"],
+    "position": ["Where is the figure?", "On which side is the figure?", "Where is the figure placed?",
+                 "Which side of the image is the figure on?", "Tell me where the figure is.",
+                 "In which part of the picture is the figure?"],
+    "digit": ["Which digit is written here?", "What digit is this?", "Read the digit.", "Which digit do you see?",
+              "Tell me the written digit.", "What digit does the image show?"],
 }
+# Neutral words around an instruction (base skills and continual tasks alike): a continual task's instruction is
+# one of 5 x 6 x 4 = 120 variants, so what a later task's training does to an old task is an average over many
+# phrasings, not the flip of one.
+PREFIXES = ["", "Look at the image.", "Here is a picture.", "Question:", "See the picture."]
+SUFFIXES = ["", "Thanks.", "Please.", "Look closely."]
+
+
+def phrase(core: str, rng: np.random.RandomState) -> str:
+    """``core`` between a prefix and a suffix drawn from ``rng`` (either may be empty)."""
+    parts = [PREFIXES[rng.randint(len(PREFIXES))], core, SUFFIXES[rng.randint(len(SUFFIXES))]]
+    return " ".join(p for p in parts if p)
+
+
+def task_question(task: str, rng: np.random.RandomState) -> str:
+    """One variant of a continual task's instruction."""
+    return phrase(PARAPHRASES[task][rng.randint(len(PARAPHRASES[task]))], rng)
+
+
+QUESTIONS = {"caption": BASE_QUESTIONS["caption"], **{t: p[0] for t, p in PARAPHRASES.items()}}
 CONTINUAL_TASKS = ["colour", "count", "position", "digit"]
 TEMPLATE_WORDS = "USER : ASSISTANT"  # the chat template's own words (the tokenizer must know them)
 
@@ -172,11 +197,11 @@ def task_samples(task: str, n: int, seed: int, *, train: bool) -> list[dict[str,
         for i in range(n):
             j = order[i % len(xs)]
             s = digit_scene(rng, xs[j], int(ys[j]))
-            out.append(record(f"{prefix}_{i:06d}", s, QUESTIONS["digit"], NUMBERS[s.digit]))
+            out.append(record(f"{prefix}_{i:06d}", s, task_question("digit", rng), NUMBERS[s.digit]))
         return out
     for i in range(n):
         s, ans = skill_scene(task, rng)
-        out.append(record(f"{prefix}_{i:06d}", s, QUESTIONS[task], ans))
+        out.append(record(f"{prefix}_{i:06d}", s, task_question(task, rng), ans))
     return out
 
 
@@ -198,7 +223,8 @@ def skill_scene(skill: str, rng: np.random.RandomState, digit: Callable[[], Scen
 
 
 def base_mix(n: int, seed: int, *, train: bool = True) -> list[dict[str, Any]]:
-    """The pre-training mix: 40% captions of every scene family, 60% the base-phrased skill questions."""
+    """The pre-training mix: 40% captions of every scene family, 60% the skill questions in their base phrasings
+    (between the same prefixes and suffixes as the continual tasks' instructions)."""
     rng = np.random.RandomState(seed * 104729 + (0 if train else 1))
     xs, ys = _digits(train, seed)
     out = []
@@ -215,16 +241,18 @@ def base_mix(n: int, seed: int, *, train: bool = True) -> list[dict[str, Any]]:
             s = single_scene(rng) if v < 0.35 else multi_scene(rng) if v < 0.7 else digit()
             out.append(record(key, s, BASE_QUESTIONS["caption"], caption(s)))
             continue
-        skill = ["shape", "colour", "count", "position", "digit"][min(4, int((u - 0.4) / 0.12))]
+        skill = list(SKILL_QUESTIONS)[min(4, int((u - 0.4) / 0.12))]
         s, ans = skill_scene(skill, rng, digit)
-        out.append(record(key, s, BASE_QUESTIONS[skill], ans))
+        core = SKILL_QUESTIONS[skill][rng.randint(len(SKILL_QUESTIONS[skill]))]
+        out.append(record(key, s, phrase(core, rng), ans))
     return out
 
 
 def corpus() -> list[str]:
     """Every word the benchmark can ask or answer (the tiny tokenizer is trained on this)."""
-    words = [TEMPLATE_WORDS, "a the on digit", *QUESTIONS.values(), *BASE_QUESTIONS.values(), *COLOURS, *POSITIONS,
-             *NUMBERS]
+    words = [TEMPLATE_WORDS, "a the on digit", *BASE_QUESTIONS.values(), *(q for p in PARAPHRASES.values() for q in p),
+             *(q for p in SKILL_QUESTIONS.values() for q in p), *PREFIXES, *SUFFIXES,
+             *COLOURS, *POSITIONS, *NUMBERS]
     for sh in SHAPES:
         words += [sh, sh + ("es" if sh == "cross" else "s")]
     return words
