@@ -20,6 +20,7 @@ import functools
 import json
 import os
 import platform
+import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -79,8 +80,17 @@ def portable_kernels(pretrain: Callable[..., dict]) -> Callable[..., dict]:
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
+        import queue as queues
+
         try:
-            status, value = queue.get()
+            while True:  # a child that dies without a word (killed, out of memory) must not leave this waiting
+                try:
+                    status, value = queue.get(timeout=5)
+                    break
+                except queues.Empty:
+                    if not child.is_alive():
+                        raise RuntimeError(f"the pre-training process ended with exit code {child.exitcode} and no "
+                                           "result") from None
         finally:
             child.join()
         if status != "ok":
@@ -97,6 +107,11 @@ def _portable_child(module: str, name: str, args: tuple, kwargs: dict, queue: An
 
     import torch
 
+    if sys.platform.startswith("linux"):  # the child ends with its parent, so a killed build leaves nothing running
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     try:
         if torch.backends.cpu.get_cpu_capability() != "DEFAULT":
             raise RuntimeError(f"pre-training process runs on {torch.backends.cpu.get_cpu_capability()} kernels, "
