@@ -118,8 +118,9 @@ def needed_backbones(bench: Benchmark, configs: list[Path]) -> list[str]:
 
 def build_backbones(bench: Benchmark, names: list[str], kernel_sets: list[str], out: Path,
                     jobs: int) -> dict[str, dict[str, Any]]:
-    """The backbones ``names`` pre-trained under every kernel set (one thread each, ``jobs`` at a time); a finished
-    build with the same settings is kept (the builders' own rule). Returns each build's ``pretraining.json``."""
+    """The backbones ``names`` pre-trained under every kernel set, ``jobs`` at a time (each build runs
+    ``PRETRAIN_THREADS`` threads: two builds on two cores would share them and spin); a finished build with the same
+    settings is kept (the builders' own rule). Returns each build's ``pretraining.json``."""
     tasks = [(ks, name, bench.backbones[name]) for ks in kernel_sets for name in names]
 
     def one(task: tuple[str, str, list[str]]) -> tuple[str, str, dict[str, Any]]:
@@ -405,7 +406,10 @@ def main(argv: list[str] | None = None) -> int:
     sweeps = plan(args.kernel_sets, args.seeds, args.split_source)
     if not args.report_only:
         build_shards(bench)
-        build_backbones(bench, needed_backbones(bench, configs), args.kernel_sets, out, jobs=args.nproc)
+        from data_prep.common import PRETRAIN_THREADS
+
+        build_backbones(bench, needed_backbones(bench, configs), args.kernel_sets, out,
+                        jobs=max(1, args.nproc // PRETRAIN_THREADS))
         for sw in sweeps:
             run_sweep(sw, configs, out, args.nproc, args.benchmark)
     backbones: dict[str, Any] = {}
