@@ -111,13 +111,14 @@ study-cil: data-cil
 
 # The embedded benchmarks as a measuring instrument (bench/instrument.py): every method of the seeds study over 3
 # seeds, and its seed 0 under each CPU kernel set this machine emulates (ATen / MKL / oneDNN held to AVX2 and to
-# their portable paths), each set on the backbones it pre-trained itself, and once more on the native backbones
-# (pre-training's part against continual training's); the report goes to docs/instrument_<benchmark>.md.
+# their portable paths), each set on the backbones it pre-trained itself (the same bytes: pre-training pins its
+# kernels; --split-source adds runs on the native backbones for builders that do not); the report goes to
+# docs/instrument_<benchmark>.md.
 instrument-mcit: data data-cil
-	$(BIN)/python -m bench.instrument --benchmark mcit --split-source --nproc $(NPROC) --doc docs/instrument_mcit.md
+	$(BIN)/python -m bench.instrument --benchmark mcit --nproc $(NPROC) --doc docs/instrument_mcit.md
 
 instrument-cil: data-cil
-	$(BIN)/python -m bench.instrument --benchmark cil --split-source --nproc $(NPROC) --doc docs/instrument_cil.md
+	$(BIN)/python -m bench.instrument --benchmark cil --nproc $(NPROC) --doc docs/instrument_cil.md
 
 # A study: VPT-NSP²'s stability-plasticity curve over eta, 3 seeds, on the embedded benchmark (15 runs, each on
 # NPROC CPU ranks through the DeepSpeed launcher), then the aggregated table and figures in runs/sweeps/.

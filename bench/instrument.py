@@ -6,12 +6,14 @@ Every claim the README makes about the methods (and every default the selection 
 embedded benchmarks, so their noise bounds what those claims can say. This script measures it on one machine:
 
 * **kernel sets** emulated by the environment variables the libraries read at start-up (``KERNEL_SETS``:
-  ATen's vector ISA, MKL's instruction set, oneDNN's ISA). Each set pre-trains its own embedded backbones
-  (the bytes of a pre-trained backbone depend on the kernels' rounding, ``data_prep.common.build_environment``)
-  and runs every method's seed 0 on them;
+  ATen's vector ISA, MKL's instruction set, oneDNN's ISA). Each set pre-trains its own embedded backbones and
+  runs every method's seed 0 on them. Pre-training runs on portable kernels whatever the caller's
+  (``data_prep.common.portable_kernels``), so every set's backbones should be the same bytes: the report lists
+  their sha256, and a kernel set's difference is then continual training's alone;
 * **seeds**: every method over ``--seeds`` under the machine's own kernels;
 * **source** (``--split-source``): seed 0 under each other kernel set on the *native* backbones, so a kernel
-  set's difference splits into the part the pre-training brings and the part continual training adds.
+  set's difference splits into the part the pre-training brings and the part continual training adds (for
+  builders that do not pin their kernels; with identical backbones these runs repeat the kernel sets' own).
 
 The runs are ordinary sweeps (``pipelines.sweep``, resumable: re-running the same command finishes what a kill
 left), one per (kernel set, backbones) under ``OUT/sweeps/``; the configs are the spec's with the backbone paths
