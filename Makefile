@@ -5,26 +5,33 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 NPROC  ?= 2
 DEMO_CONFIGS ?= configs/tiny_mcit_prompt_tuning.yaml configs/tiny_mcit_fwd_prompt.yaml configs/tiny_mcit_lora.yaml \
-                configs/tiny_mcit_olora.yaml configs/tiny_mcit_moelora.yaml configs/tiny_mcit_multitask.yaml \
-                configs/tiny_mcit_modal_prompt.yaml configs/tiny_mcit_cl_moe.yaml
+                configs/tiny_mcit_olora.yaml configs/tiny_mcit_moelora.yaml configs/tiny_mcit_multitask.yaml
 # The other MCIT methods (`make demo-more`: HiDe-LLaVA and DISCO route with the tiny CLIP of `make data-cil`)
-MORE_CONFIGS ?= configs/tiny_mcit_sefe.yaml configs/tiny_mcit_hide_llava.yaml configs/tiny_mcit_disco.yaml \
-                configs/tiny_mcit_replay.yaml configs/tiny_mcit_ewc.yaml configs/tiny_mcit_lwf.yaml
+MORE_CONFIGS ?= configs/tiny_mcit_modal_prompt.yaml configs/tiny_mcit_cl_moe.yaml configs/tiny_mcit_sefe.yaml \
+                configs/tiny_mcit_hide_llava.yaml configs/tiny_mcit_disco.yaml configs/tiny_mcit_replay.yaml \
+                configs/tiny_mcit_ewc.yaml configs/tiny_mcit_lwf.yaml
 CIL_METHODS  ?= seq l2p l2p_pgp dualprompt dualprompt_pgp coda_prompt hide_prompt norga vpt_nsp2 soft_tf soft_tf_gradient_id soft_tf_gradient_id_batch l2p_soft_tf clip_zero_shot vpt_nsp2_clip star_prompt
 CIL_CONFIGS  ?= $(foreach m,$(CIL_METHODS),configs/digits_$(m).yaml)
 DATA_ENV := DS_ACCELERATOR=cpu
 RUN := PATH=$(abspath $(BIN)):$$PATH DS_ACCELERATOR=cpu CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1
 
-.PHONY: install data data-cil demo demo-more demo-cil study-cil study-mcit instrument-mcit instrument-cil sweep-demo lint test test-unit test-numerics mutate bench clean clean-data
+.PHONY: install install-test data data-cil demo demo-more demo-cil study-cil study-mcit instrument-mcit instrument-cil sweep-demo lint test test-unit test-numerics mutate bench clean clean-data
 
+# `install` is what the runs need; `install-test` adds the test tools and lmms-eval's run-time needs (the demo
+# does not wait for them).
 install: $(VENV)/.installed
+install-test: $(VENV)/.installed-test
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -qq --disable-pip-version-check torch==2.13.0
+	$(BIN)/pip install -qq --disable-pip-version-check -e . torch==2.13.0
+	PATH=$(abspath $(BIN)):$$PATH $(BIN)/python -m mcit.core.extensions  # DeepSpeed's JIT ops, built now, not at a run's start
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed pyproject.toml
 	$(BIN)/pip install -qq --disable-pip-version-check -e ".[test,lmms]" torch==2.13.0
 	$(BIN)/pip install -qq --disable-pip-version-check --no-deps lmms-eval==0.7.3
-	PATH=$(abspath $(BIN)):$$PATH $(BIN)/python -m mcit.core.extensions  # DeepSpeed's JIT ops, built now, not at a run's start
 	touch $@
 
 # Data and backbones are file targets: each is rebuilt only when the code that determines its bytes is newer
@@ -39,16 +46,16 @@ TINY_LLAVA := data/backbones/tiny_llava/pretraining.json
 $(DIGITS): data_prep/digits.py mcit/data/shards.py | $(VENV)/.installed
 	$(DATA_ENV) $(BIN)/python -m data_prep.digits --out $(@D) --force
 
-$(TINY_VIT): data_prep/pretrain_vit.py mcit/data/procedural.py | $(VENV)/.installed
+$(TINY_VIT): data_prep/pretrain_vit.py data_prep/common.py mcit/data/procedural.py | $(VENV)/.installed
 	$(DATA_ENV) $(BIN)/python -m data_prep.pretrain_vit --out $(@D) --force
 
-$(TINY_CLIP): data_prep/pretrain_clip.py mcit/data/procedural.py | $(VENV)/.installed
+$(TINY_CLIP): data_prep/pretrain_clip.py data_prep/common.py mcit/data/procedural.py | $(VENV)/.installed
 	$(DATA_ENV) $(BIN)/python -m data_prep.pretrain_clip --out $(@D) --force
 
 $(TINY_MCIT): data_prep/tiny_mcit.py mcit/data/tiny_mcit.py mcit/data/instructions.py mcit/data/shards.py | $(VENV)/.installed
 	$(DATA_ENV) $(BIN)/python -m data_prep.tiny_mcit --out $(@D) --force
 
-$(TINY_LLAVA): data_prep/pretrain_tiny_llava.py mcit/models/tiny_llava.py mcit/models/mllm.py mcit/models/llava.py \
+$(TINY_LLAVA): data_prep/pretrain_tiny_llava.py data_prep/common.py mcit/models/tiny_llava.py mcit/models/mllm.py mcit/models/llava.py \
                mcit/data/tiny_mcit.py \
                $(TINY_MCIT) | $(VENV)/.installed
 	$(DATA_ENV) $(BIN)/python -m data_prep.pretrain_tiny_llava --shards $(dir $(TINY_MCIT)) --out $(@D) --force
@@ -58,7 +65,8 @@ data: $(TINY_MCIT) $(TINY_LLAVA)
 
 # The main job: the MCIT sequence on 2 CPU processes with sequential prompt tuning, Fwd-Prompt, sequential
 # LoRA, O-LoRA, MoELoRA and the multi-task bound (LoRA on all tasks at once), then one comparison table whose
-# first column is the pre-trained backbone itself (the zero-shot row of the LoRA run).
+# first column is the pre-trained backbone itself (the zero-shot row of the LoRA run). Six methods: with more it
+# no longer fits ten minutes on a fresh clone here.
 demo: data
 	@for c in $(DEMO_CONFIGS); do \
 	  echo "== deepspeed --num_gpus $(NPROC) pipelines/run_task_sequence.py --config $$c"; \
@@ -126,17 +134,17 @@ SWEEP_ARGS ?= --config configs/digits_vpt_nsp2.yaml --seeds 0 1 2 --grid method.
 sweep-demo: data-cil
 	$(RUN) $(BIN)/python -m pipelines.sweep $(SWEEP_ARGS) --nproc $(NPROC)
 
-lint: install
+lint: install-test
 	$(BIN)/ruff check --no-cache .
 
 # The quick loop: the in-process tests only (tests/unit; no launchers, no Slurm).
-test-unit: install
+test-unit: install-test
 	PATH=$(abspath $(BIN)):$$PATH DS_ACCELERATOR=cpu CUDA_VISIBLE_DEVICES= $(BIN)/python -m pytest -q -m unit tests
 
 # The linter first (ruff, settings in pyproject.toml), then two pytest workers, each test file whole on one of
 # them (module fixtures such as the Slurm cluster are built once): most tests wait on launched processes, so
 # this is ~35% faster on 2 cores.
-test: install
+test: install-test
 	$(BIN)/ruff check --no-cache .
 	PATH=$(abspath $(BIN)):$$PATH DS_ACCELERATOR=cpu CUDA_VISIBLE_DEVICES= $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
 
@@ -148,13 +156,13 @@ test: install
 # Not part of `make test`: about an hour here (25 min for the 12 kernel sets, 33 min for the 280 variants).
 # NUMERICS_ARGS: e.g. --kernels default aten_default.
 NUMERICS_ARGS ?=
-test-numerics: install
+test-numerics: install-test
 	PATH=$(abspath $(BIN)):$$PATH DS_ACCELERATOR=cpu CUDA_VISIBLE_DEVICES= $(BIN)/python tests/numerics.py $(NUMERICS_ARGS)
 	PATH=$(abspath $(BIN)):$$PATH DS_ACCELERATOR=cpu CUDA_VISIBLE_DEVICES= $(BIN)/python tests/numerics.py --variants
 
 # Mutation testing of the core modules against the in-process tests (settings: [tool.mutmut] in pyproject.toml).
 # Not part of `make test`: it runs those tests once per mutant. Survivors: `$(BIN)/mutmut results`.
-mutate: install
+mutate: install-test
 	$(BIN)/pip install -qq --disable-pip-version-check -e ".[mutate]" torch==2.13.0
 	rm -rf mutants/.test-cache  # results stay: a stopped run resumes, changed code is mutated again
 	$(RUN) MCIT_TEST_CACHE=$(abspath mutants/.test-cache) $(BIN)/mutmut run; $(BIN)/mutmut results
