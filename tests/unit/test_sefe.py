@@ -215,7 +215,8 @@ def test_answer_styles_rewrite_the_planned_samples_into_each_style(mcit_assets, 
         assert rec["asd"]["rewritten"]
         q, a = rec["conversations"][-2]["value"], rec["conversations"][-1]["value"]
         answer = before["conversations"][-1]["value"]
-        assert q.startswith("<image>\nHow many shapes are there?\n") and rec["answers"] == [a]
+        asked = before["conversations"][-2]["value"]
+        assert asked.startswith("<image>\n") and q.startswith(asked + "\n") and rec["answers"] == [a]
         if style == "mcq":
             assert sorted(rec["choices"]) == sorted([answer, "dozens", "none", "many"])
             assert rec["choices"][A.LETTERS.index(a)] == answer
