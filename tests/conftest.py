@@ -318,11 +318,14 @@ def mcit_config(assets: dict[str, Path], tmp: Path, name: str = "mcit", **sectio
         "run_dir": str(tmp / "runs" / name),
         "seed": 0,
         "backbone": {"kind": "llava", "path": str(assets["backbone"]), "tag": "tiny_test_llava"},
+        # a stuck loader worker or a rank left waiting in a collective fails the run within minutes, naming the
+        # split or the stage, instead of the test's launch timing out with nothing said (a fresh-clone run once
+        # hung in an evaluation stage; it did not come back in 5 repeats)
         "data": {"root": str(assets["shards"]), "tasks": ["colour", "count"],
-                 "reference": str(assets["shards"] / "base" / "test")},
+                 "reference": str(assets["shards"] / "base" / "test"), "worker_timeout_s": 120},
         "method": {"name": "fwd_prompt", "pool_size": 4, "top_n": 2, "prompt_length": 2},
         "train": {"epochs": 1, "batch_size": 8, "lr": 0.05, "checkpoint_every": 2, "log_every": 2,
-                  "progress": False, "deepspeed_config": "deepspeed_configs/zero2.json"},
+                  "progress": False, "deepspeed_config": "deepspeed_configs/zero2.json", "collective_timeout_s": 300},
         "eval": {"batch_size": 16, "max_new_tokens": 3},
     }
     return _write_config(cfg, tmp, name, sections)
