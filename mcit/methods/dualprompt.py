@@ -28,7 +28,17 @@ from torch import nn
 from mcit.core.registry import METHODS
 from mcit.data.types import Batch, TaskSequence
 from mcit.methods.base import LayerList, LossTerms, Method, MethodParams
-from mcit.methods.prompting import cosine, gather_prefix, majority_vote, mask_to_classes, prefix_prompt, uniform_
+from mcit.methods.prompting import (
+    HEAD_INIT_DOC,
+    HeadInit,
+    classifier_head,
+    cosine,
+    gather_prefix,
+    majority_vote,
+    mask_to_classes,
+    prefix_prompt,
+    uniform_,
+)
 
 
 class DualPromptParams(MethodParams):
@@ -43,6 +53,7 @@ class DualPromptParams(MethodParams):
     shared_prompt_pool: bool = Field(True, description="initialise task t's E-prompt from task t-1's")
     shared_prompt_key: bool = Field(False, description="initialise task t's key from task t-1's")
     head_type: Literal["token", "gap"] = "token"
+    head_init: HeadInit = Field("timm", description=HEAD_INIT_DOC)
     batchwise_selection: bool = Field(
         False, description="official-code mode: one majority-voted prompt set per batch (batch-size dependent)")
 
@@ -79,7 +90,7 @@ class DualPrompt(Method):
         self.e_key = uniform_((self.pool_size, d))
         if p.g_prompt_length:
             self.g_prompt = uniform_((len(p.g_layers), 2, p.g_prompt_length, h, hd))
-        self.head = nn.Linear(d, sequence.num_classes)
+        self.head = classifier_head(d, sequence.num_classes, params.head_init)
 
     def before_task(self, task: int) -> None:
         super().before_task(task)

@@ -52,7 +52,15 @@ from mcit.core.registry import METHODS
 from mcit.data.types import Batch, TaskSequence
 from mcit.methods.base import LayerList, LossTerms, Method, MethodParams
 from mcit.methods.class_gaussians import class_moments, gaussian_factors, moments_to_gaussians, sample_classes
-from mcit.methods.prompting import gather_prefix, mask_to_classes, prefix_prompt, uniform_
+from mcit.methods.prompting import (
+    HEAD_INIT_DOC,
+    HeadInit,
+    classifier_head,
+    gather_prefix,
+    mask_to_classes,
+    prefix_prompt,
+    uniform_,
+)
 
 
 class HiDePromptParams(MethodParams):
@@ -64,6 +72,7 @@ class HiDePromptParams(MethodParams):
     head_lr_scale: float = Field(0.1, gt=0, description="head lr / prompt lr (the official larger_prompt_lr)")
     tii_mlp: list[int] = Field(default_factory=lambda: [2], description="TII MLP hidden widths, multiples of D")
     tii_lr_scale: float = Field(1.0, gt=0, description="TII head lr / prompt lr")
+    head_init: HeadInit = Field("timm", description=HEAD_INIT_DOC)
     ca_storage: Literal["multi-centroid", "covariance", "variance"] = Field(
         "multi-centroid", description="class statistics for TAP (official default multi-centroid)")
     n_centroids: int = Field(10, ge=1, description="k-means clusters per class with ca_storage multi-centroid")
@@ -82,7 +91,7 @@ class HiDePromptParams(MethodParams):
 class TIIHead(nn.Module):
     """x -> LayerNorm(x + MLP(x)) -> linear over all classes (the official MlpMapping + head)."""
 
-    def __init__(self, d: int, hidden: list[int], num_classes: int) -> None:
+    def __init__(self, d: int, hidden: list[int], num_classes: int, head_init: HeadInit = "torch") -> None:
         super().__init__()
         widths = [d] + [d * h for h in hidden] + [d]
         layers: list[nn.Module] = []
@@ -92,7 +101,7 @@ class TIIHead(nn.Module):
                 layers.append(nn.GELU())
         self.mlp = nn.Sequential(*layers)
         self.norm = nn.LayerNorm(d)
-        self.head = nn.Linear(d, num_classes)
+        self.head = classifier_head(d, num_classes, head_init)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.norm(x + self.mlp(x)))
@@ -113,8 +122,8 @@ class HiDePrompt(Method):
         d, c, T = backbone.hidden_size, sequence.num_classes, len(sequence)
         self.e_prompt = uniform_((len(params.e_layers), 2, T, params.prompt_length, backbone.num_heads,
                                   backbone.head_dim))
-        self.head = nn.Linear(d, c)
-        self.tii = TIIHead(d, params.tii_mlp, c)
+        self.head = classifier_head(d, c, params.head_init)
+        self.tii = TIIHead(d, params.tii_mlp, c, params.head_init)  # the official TII head is a timm ViT's too
         task_of = torch.zeros(c, dtype=torch.long)
         for t, info in enumerate(sequence.tasks):
             task_of[list(info.classes)] = t

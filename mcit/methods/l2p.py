@@ -28,7 +28,16 @@ from torch import nn
 from mcit.core.registry import METHODS
 from mcit.data.types import Batch, TaskSequence
 from mcit.methods.base import LossTerms, Method, MethodParams
-from mcit.methods.prompting import insert_prompts, majority_vote, mask_to_classes, pool, uniform_
+from mcit.methods.prompting import (
+    HEAD_INIT_DOC,
+    HeadInit,
+    classifier_head,
+    insert_prompts,
+    majority_vote,
+    mask_to_classes,
+    pool,
+    uniform_,
+)
 
 
 class L2PParams(MethodParams):
@@ -38,6 +47,7 @@ class L2PParams(MethodParams):
     pull_coeff: float = Field(0.1, ge=0, description="weight of the key-query pull (surrogate) loss")
     train_mask: bool = Field(True, description="mask the logits of classes outside the current task in training")
     head_type: Literal["prompt", "token", "token+prompt"] = "prompt"
+    head_init: HeadInit = Field("timm", description=HEAD_INIT_DOC)
     prompt_position: Literal["cls", "none"] = Field(
         "cls", description="position embedding of the prompt tokens: the [CLS] one (the official code) or none")
     batchwise_selection: bool = Field(
@@ -61,7 +71,7 @@ class L2P(Method):
         d = backbone.hidden_size
         self.prompt = uniform_((params.pool_size, params.prompt_length, d))
         self.prompt_key = uniform_((params.pool_size, d))
-        self.head = nn.Linear(d, sequence.num_classes)
+        self.head = classifier_head(d, sequence.num_classes, params.head_init)
 
     def select(self, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k prompt indices (B, k) and the cosine similarities to all keys (B, M)."""

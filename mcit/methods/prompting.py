@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 from torch import nn
 
@@ -38,6 +40,28 @@ def pool(hidden: torch.Tensor, num_prompts: int, head_type: str) -> torch.Tensor
     if head_type == "token+prompt":
         return hidden[:, : 1 + num_prompts].mean(dim=1)
     raise ValueError(f"unknown head_type {head_type!r}")
+
+
+HeadInit = Literal["timm", "torch"]
+HEAD_INIT_DOC = ("the classifier head's initial weights: timm's ViT init (weight N(0, 0.02) truncated at +-2, bias 0; "
+                 "the official code) or PyTorch's nn.Linear default (uniform +-1/sqrt(d), bias included)")
+
+
+def classifier_head(d: int, num_classes: int, init: HeadInit) -> nn.Linear:
+    """The linear head over all classes, initialised as the official code's ViT does (``init_weights_vit_timm``).
+
+    Why it matters: with the logits outside the current task masked, the loss never moves the part of a task's
+    head rows they share (its gradient sums to zero over the task's classes, and Adam's update of two rows with
+    opposite gradients is opposite too), so that part stays at its initial value and decides how the tasks'
+    logits compare at test time. PyTorch's default draws the bias uniformly in +-1/sqrt(d), a random offset
+    between tasks that changes with the seed; timm's starts every bias at 0 and the weights small.
+    """
+    head = nn.Linear(d, num_classes)
+    if init == "timm":
+        with torch.no_grad():
+            nn.init.trunc_normal_(head.weight, std=0.02, a=-2.0, b=2.0)
+            nn.init.zeros_(head.bias)
+    return head
 
 
 def uniform_(shape: tuple[int, ...], low: float = -1.0, high: float = 1.0) -> nn.Parameter:

@@ -17,12 +17,13 @@ from torch import nn
 from mcit.core.registry import METHODS
 from mcit.data.types import Batch, TaskSequence
 from mcit.methods.base import LossTerms, Method, MethodParams
-from mcit.methods.prompting import insert_prompts, pool, uniform_
+from mcit.methods.prompting import HEAD_INIT_DOC, HeadInit, classifier_head, insert_prompts, pool, uniform_
 
 
 class SeqParams(MethodParams):
     prompt_length: int = Field(5, ge=1)
     head_type: Literal["prompt", "token", "token+prompt"] = "prompt"
+    head_init: HeadInit = Field("timm", description=HEAD_INIT_DOC)
 
 
 @METHODS.register("seq")
@@ -33,7 +34,7 @@ class Seq(Method):
     def __init__(self, params: SeqParams, backbone: nn.Module, sequence: TaskSequence) -> None:
         super().__init__(params, backbone, sequence)
         self.prompt = uniform_((params.prompt_length, backbone.hidden_size))
-        self.head = nn.Linear(backbone.hidden_size, sequence.num_classes)
+        self.head = classifier_head(backbone.hidden_size, sequence.num_classes, params.head_init)
 
     def _logits(self, pixel_values: torch.Tensor) -> torch.Tensor:
         prompts = self.prompt.unsqueeze(0).expand(pixel_values.shape[0], -1, -1)

@@ -60,6 +60,7 @@ from mcit.core.registry import METHODS
 from mcit.data.types import Batch, TaskSequence
 from mcit.methods.base import AuxiliaryBackbone, ImagePipeline, LayerList, LossTerms, Method, MethodParams, auxiliary_of
 from mcit.methods.class_gaussians import fit_mixture, sample_mixture
+from mcit.methods.prompting import HEAD_INIT_DOC, HeadInit, classifier_head
 
 
 class STARPromptParams(MethodParams):
@@ -101,6 +102,7 @@ class STARPromptParams(MethodParams):
     mog_iters_second: int = Field(500, ge=1)
     gr_samples: int = Field(256, ge=1, description="samples per class and replay epoch")
     gr_batch_size: int = Field(128, ge=1)
+    head_init: HeadInit = Field("timm", description=HEAD_INIT_DOC)
 
 
 def _orthogonal(shape: tuple[int, ...]) -> nn.Parameter:
@@ -144,7 +146,7 @@ class STARPrompt(Method):
             # the official init: orthogonal over (C, 3 x D), keeping the first D of each row
             setattr(self, f"p_{layer}", nn.Parameter(_orthogonal((C, 3, D)).data[:, 0].clone()))
             setattr(self, f"a_{layer}", _orthogonal((C, E)))
-        self.head = nn.Linear(D, C)
+        self.head = classifier_head(D, C, self.params.head_init)
         self.register_buffer("head_backup_w", torch.zeros(C, D))
         self.register_buffer("head_backup_b", torch.zeros(C))
         # the official first level always replays a mixture; gr_model chooses the second level's

@@ -148,10 +148,14 @@ def batch(task: int, n: int = 4):
 
 
 def method(name: str, backbone, seq=None, seed: int = 2, **params: Any):
-    """The project's ``name`` with ``params``, its parameters drawn after ``torch.manual_seed(seed)``."""
+    """The project's ``name`` with ``params``, its parameters drawn after ``torch.manual_seed(seed)``. The official
+    numbers were produced from these parameters copied into the official modules, the heads drawn by nn.Linear's
+    default init (``head_init: torch``): the draws stay those, whatever a method's default init."""
     from mcit.core.registry import METHODS
 
     cls = METHODS.get(name)
+    if "head_init" in cls.Params.model_fields:
+        params = {"head_init": "torch", **params}
     torch.manual_seed(seed)
     return cls(cls.Params(**params), backbone, seq or sequence())
 

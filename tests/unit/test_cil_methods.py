@@ -44,6 +44,32 @@ def test_every_cil_method_is_covered():
     assert sorted({k.split(":")[0] for k in SMALL} | CLIP_ONLY) == _cil_methods()
 
 
+# The official code's classifier-head init (its ViT's init_weights_vit_timm: weight N(0, 0.02), bias 0), checked per
+# code base: l2p-pytorch, dualprompt-pytorch, HiDe-Prompt, NoRGa (MoE_PromptCL), PGP, Soft-TF, mammoth's STAR-Prompt
+# (tests/unit/test_clip_methods.py); CODA-Prompt keeps nn.Linear's default (models/zoo.py), as VPT-NSP²'s heads after
+# its first task.
+TIMM_HEADS = {"seq", "l2p", "dualprompt", "l2p+pgp", "dualprompt+pgp", "hide_prompt", "norga", "soft_tf", "l2p+soft_tf"}
+
+
+@pytest.mark.parametrize("name", sorted(TIMM_HEADS | {"coda_prompt"}))
+def test_classifier_heads_start_as_the_official_code_s(name, backbone, sequence):
+    """timm's init by default where the official code has it (every bias 0, weights of std 0.02: a task's masked
+    rows keep their shared part from the start, so the tasks' logits do not start apart by a random bias);
+    ``head_init: torch`` gives nn.Linear's default, CODA-Prompt's own."""
+    torch.manual_seed(0)
+    m = _build(name, backbone, sequence)
+    heads = [m.head] + ([m.tii.head] if hasattr(m, "tii") else [])
+    for head in heads:
+        w, b = head.weight.detach(), head.bias.detach()
+        if name in TIMM_HEADS:
+            assert not b.any() and abs(float(w.std()) - 0.02) < 0.004, (name, float(w.std()))
+        else:
+            assert b.abs().max() > 0 and float(w.std()) > 0.06, name  # uniform +-1/sqrt(32): std 0.10
+    if name in TIMM_HEADS:
+        torch.manual_seed(0)
+        assert _build(name, backbone, sequence, head_init="torch").head.bias.abs().max() > 0
+
+
 def _build(name, backbone, sequence, **over):
     cls = METHODS.get(name.split(":")[0])
     return cls(cls.Params(**{**SMALL[name], **over}), backbone, sequence)

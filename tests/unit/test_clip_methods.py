@@ -198,6 +198,8 @@ def _step(m, batch):
 
 def test_star_prompt_two_levels_train_what_they_should_and_infer_per_sample(vit, clip, clip_backbone, digits_sequence):
     m = _star(vit, clip, clip_backbone, digits_sequence)
+    # the second level's head starts as mammoth's ViT head (init_weights_vit_timm): bias 0, weights of std 0.02
+    assert not m.head.bias.any() and abs(float(m.head.weight.std()) - 0.02) < 0.004
     for task in (0, 1):
         classes = digits_sequence.tasks[task].classes
         b = _batch(12, seed=task, task=task, classes=classes)
