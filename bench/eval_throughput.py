@@ -57,7 +57,8 @@ def main() -> int:
     from mcit.data.loader import eval_batches
     from mcit.run.evaluation import evaluate_row
 
-    with bench_host(args.config, args.overrides) as (plan, host):
+    # every round answers again: a reused evaluation cell would time nothing (the chunk commits are timed)
+    with bench_host(args.config, ["eval.reuse=false", *args.overrides]) as (plan, host):
         cfg, device = plan.cfg, dist.device()
         backbone, tests = host.backbone, plan.test
         collates = [host.collate(i, train=False) for i in range(len(tests))]

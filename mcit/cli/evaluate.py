@@ -3,6 +3,7 @@
     python pipelines/evaluate.py --run runs/X [--task-checkpoint K [K ...] | all] [--zero-shot]
                                  [--tasks NAME ...] [--batch-size B] [--write-rows]
     python pipelines/evaluate.py --run runs/X --lmms-eval TASK ... [--lmms-include DIR] [--zero-shot] [...]
+    python pipelines/evaluate.py --rescore --run runs/X|runs/sweeps/S [--config C]   (no model loaded)
     deepspeed --num_gpus 2 pipelines/evaluate.py --run runs/X ...   (or torchrun / srun: sharded; or mcit-evaluate)
 
 Loads the run's own config (``RUN_DIR/config.yaml``) and the consolidated export of task K
@@ -15,6 +16,10 @@ state (state.json, checkpoints, the accuracy-matrix rows) is not touched, except
 metrics.json / report.md are recomputed, which fills in rows a run lost or never wrote.
 Default: the last exported checkpoint. ``--lmms-eval TASKS`` scores general ability instead: lmms-eval's task
 definitions answered by the checkpoint (mcit.run.general_ability), rows under ``eval/general/``.
+Answers come from the run's evaluation cells where their key matches (mcit.run.cells: the pipeline's own rows
+are reused, not generated again); ``--recompute`` answers every sample again. ``--rescore`` scores the stored
+answers of a run, or of every run of a sweep, again with the current scorers (or those of ``--config``) and
+rewrites rows, metrics.json and report.md without loading the model (mcit.run.rescore).
 """
 
 from __future__ import annotations
@@ -49,8 +54,17 @@ def _main(argv: list[str] | None) -> int:
                     help="folders of lmms-eval task files (e.g. a task over local data); without one, lmms-eval's "
                          "own tasks")
     ap.add_argument("--lmms-limit", type=int, default=None, help="the first N questions of each lmms-eval task")
+    ap.add_argument("--recompute", action="store_true",
+                    help="answer every sample again instead of reusing the run's evaluation cells")
+    ap.add_argument("--rescore", action="store_true",
+                    help="score the stored answers of --run (a run or a sweep directory) again, without the model: "
+                         "rows, metrics.json, report.md (a sweep: also its tables)")
+    ap.add_argument("--config", type=Path, default=None,
+                    help="--rescore: the run's config with other task scorers (data.tasks[i].scorer, eval.judge)")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.rescore or args.config is not None:
+        return _rescore(args)
     from mcit.core.distributed import default_accelerator
 
     default_accelerator()  # before DeepSpeed is imported
@@ -65,6 +79,7 @@ def _main(argv: list[str] | None) -> int:
     if not run.config.is_file():
         return common.fail(f"{run.root} is not a run directory (no config.yaml)")
     overrides = [f"eval.batch_size={args.batch_size}"] if args.batch_size is not None else []
+    overrides += ["eval.reuse=false"] if args.recompute else []
     try:
         plan = preflight(load_config(run.config, overrides), run_dir=run.root)
     except Exception as e:  # noqa: BLE001 - every pre-flight failure is one line and exit 2
@@ -122,6 +137,48 @@ def _main(argv: list[str] | None) -> int:
         evaluate_checkpoints(plan, ks, tasks, zero_shot=args.zero_shot, write_rows=args.write_rows)
     except Exception as e:  # noqa: BLE001 - mapped to one line and an exit code (mcit.cli.common)
         return common.after_launch(e, plan.run_dir)
+    return 0
+
+
+def _rescore(args: argparse.Namespace) -> int:
+    """``--rescore``: every row of a run (or of each run of a sweep) from its stored answers; no model, no ranks."""
+    if not args.rescore:
+        return common.fail("--config is read by --rescore only (an evaluation pass uses the run's own config)")
+    other = [flag for flag, on in (("--task-checkpoint", args.task_checkpoint), ("--zero-shot", args.zero_shot),
+                                   ("--tasks", args.tasks), ("--batch-size", args.batch_size),
+                                   ("--write-rows", args.write_rows), ("--lmms-eval", args.lmms_eval),
+                                   ("--recompute", args.recompute)) if on]
+    if other:
+        return common.fail(f"--rescore reads the stored answers of every row; leave out {other[0]}")
+    from mcit.core.config import ConfigError
+    from mcit.run.rescore import RescoreError, rescore
+
+    try:
+        done = rescore(args.run.resolve(), args.config)
+    except (RescoreError, ConfigError, FileNotFoundError) as e:
+        return common.fail(str(e))
+    from mcit.core import metrics as M
+
+    for run, metrics in done:
+        print(f"== rescored {run}")
+        if metrics:
+            print(M.format_summary(metrics))
+    sweep = args.run / "sweep.json"
+    if sweep.is_file():  # a sweep: its tables and figures from the rescored runs
+        import json
+
+        from mcit.studies import results
+        from mcit.studies.spec import SweepSpec, expand
+
+        try:
+            spec = SweepSpec.model_validate(json.loads(sweep.read_text())["spec"])
+            points = expand(spec, materialize=False)
+        except Exception as e:  # noqa: BLE001 - the sweep's configs moved or changed: one line
+            return common.fail(f"{sweep}: the runs are rescored, the tables not ({e})")
+        agg = results.aggregate(spec, points)
+        files = results.write_tables(spec, agg) + results.figures(spec, agg)
+        print(results.markdown(agg))
+        print("written: " + " ".join(str(f) for f in files))
     return 0
 
 

@@ -252,6 +252,17 @@ class EvalConfig(_Strict):
     first_task_loss: bool = Field(
         True, description="after each task, also the method's training loss on the first task's test data "
                           "(the training-interference curve; one extra forward pass over that split)")
+    chunk_size: int = Field(
+        256, ge=1, description="samples each rank answers between two commits of its answers to the evaluation "
+                               "cell (mcit.run.cells): a killed or preempted evaluation loses at most this many per "
+                               "rank and the next pass generates only the rest")
+    cells: str | None = Field(
+        None, description="the directory of evaluation cells (answers keyed by method state, backbone, test split "
+                          "and generation settings, computed once and reused by every evaluating path); relative to "
+                          "the run directory; default <run_dir>/eval/cells. A sweep gives its runs one, so equal "
+                          "cells (e.g. the zero-shot rows) are answered once")
+    reuse: bool = Field(True, description="reuse complete cells and committed chunks; false answers every sample "
+                                          "again (an existing complete cell is left as it is)")
 
 
 class MethodConfig(BaseModel):

@@ -14,6 +14,9 @@
       eval/answers/<row>/<task>.jsonl    generated answers (instruction tasks; <task>.metrics.json: a
                                          corpus scorer's metrics, e.g. CIDEr)
       eval/evaluate/                     evaluation-only passes (pipelines/evaluate.py), same layout
+      eval/cells/<d[:2]>/<d>/            evaluation cells (mcit.run.cells): answers.jsonl + cell.json, or chunks/
+                                         while one is answered (eval.cells may put the store elsewhere)
+      eval/rescored/<time>/              the rows, metrics.json, report.md a --rescore replaced
       checkpoints/current.safetensors    the method state the last committed stage left
       checkpoints/task_<t>/method.safetensors + method.json   the export after task t
       checkpoints/task_<t>/steps[.<phase>]/                    DeepSpeed step checkpoints of a task

@@ -477,17 +477,22 @@ def pad_batch(batch: Batch | None, template: Batch, size: int) -> Batch:
 
 def eval_parts(splits: list[Split], collates: list[Collate], *, rank: int, world: int, batch_size: int,
                policy: str, loader: LoaderOptions = LoaderOptions(),
-               aug_seed: int | None = None) -> Iterator[tuple[int, Batch]]:
+               aug_seed: int | None = None, skip: list[set[str]] | None = None) -> Iterator[tuple[int, Batch]]:
     """(split index, batch) over this rank's part of each split in turn, in manifest order, unpadded (evaluation
     runs no collectives). One stream: the loader workers start once for all the splits and prepare the next
     split's first batches while the current one is evaluated (an evaluation row is many small test splits).
-    ``aug_seed`` seeds a random transform's per-sample draws (a statistics pass over augmented images)."""
+    ``aug_seed`` seeds a random transform's per-sample draws (a statistics pass over augmented images);
+    ``skip[i]``: keys of split i already answered (an evaluation cell's committed chunks), left out before they
+    are decoded."""
     parts: list[int] = []  # the split of each work item handed out; results come back in the same order
 
     def works() -> Iterator[_Work]:
         for i, split in enumerate(splits):
             chunk: list[dict] = []
+            done = skip[i] if skip else None
             for s in iter_samples(split, rank, world, policy=policy):
+                if done and s["__key__"] in done:
+                    continue
                 chunk.append(s)
                 if len(chunk) == batch_size:
                     parts.append(i)

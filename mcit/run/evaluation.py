@@ -1,20 +1,22 @@
 """Evaluation of every task, sharded across ranks: classification accuracy or scored generations.
 
 ``evaluate_row`` (one accuracy-matrix row) and ``first_task_loss`` serve both the pipeline's eval
-stage and ``pipelines/evaluate.py``. No collectives run inside the loops (ranks may hold different
-numbers of test samples); one all_reduce of (correct, total) per task at the end. Predictions are per
-sample, so the result does not depend on ``eval.batch_size``.
+stage and ``pipelines/evaluate.py``; the answers go through evaluation cells (``mcit.run.cells``: computed
+once, committed in chunks, reused). No collectives run inside the loops (ranks may hold different numbers of
+test samples); each split's rows are gathered to rank 0 at the end, which scores them and commits the cells.
+Predictions are per sample, so the result does not depend on ``eval.batch_size``.
 """
 
 from __future__ import annotations
 
-import functools
+import json
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
 import torch
 
 from mcit.core import distributed as dist
+from mcit.core.checkpoint import atomic_write_text
 from mcit.core.config import RunConfig
 from mcit.data.instructions import SCORER_KEYS
 from mcit.data.loader import LoaderOptions, eval_batches, eval_parts
@@ -38,30 +40,121 @@ class Host(Protocol):
 def evaluate_row(host: Host, *, trained: int, answers_dir: Path, tasks: list[int] | None = None,
                  desc: str = "eval") -> dict[str, Any]:
     """The method's accuracy on ``tasks`` (default every task) after ``trained`` tasks (0 = zero-shot:
-    every class allowed); instruction tasks write their answers under ``answers_dir``."""
+    every class allowed), through the evaluation cells (``mcit.run.cells``): a complete cell is reused, a
+    partial one's committed chunks are kept and only the rest is answered. Each task's answers go to
+    ``answers_dir/<task>.jsonl``; the row names its cells and how many answers each reused and computed."""
+    from mcit.run import cells as CS
+
     plan, cfg, method = host.plan, host.cfg, host.method
     tasks = list(range(len(plan.test))) if tasks is None else tasks
-    tests = [plan.test[i] for i in tasks]
-    collates = [host.collate(i, train=False) for i in tasks]
-    if plan.scorers is not None:
-        scorers = [plan.scorers[i] for i in tasks]
-        res = evaluate_generation(method, tests, batch_size=cfg.eval.batch_size, policy=cfg.data.split,
-                                  collates=collates, loader=plan.loader, scorers=scorers,
-                                  max_new_tokens=[cfg.task_max_new_tokens(i) for i in tasks],
-                                  answers_dir=answers_dir, progress=cfg.train.progress, desc=desc, file_ids=tasks,
-                                  model_id=cfg.backbone.tag if cfg.backbone.tag != "local"
-                                  else Path(cfg.backbone.path).name, judge=cfg.eval.judge)
-        return {"score_sum": [c for c, _ in res], "total": [n for _, n in res],
-                "acc": [100.0 * c / max(n, 1) for c, n in res], "scorers": scorers}
+    generation = plan.scorers is not None
     allowed = None
-    if cfg.eval.mask_unseen_classes and trained > 0:
+    if not generation and cfg.eval.mask_unseen_classes and trained > 0:
         allowed = torch.zeros(plan.sequence.num_classes, dtype=torch.bool)
         for task in plan.sequence.tasks[:trained]:
             allowed[list(task.classes)] = True
-    res = evaluate_tasks(method, tests, batch_size=cfg.eval.batch_size, policy=cfg.data.split, collates=collates,
-                         loader=plan.loader, allowed_classes=allowed, progress=cfg.train.progress, desc=desc)
-    return {"correct": [c for c, _ in res], "total": [n for _, n in res],
-            "acc": [100.0 * c / max(n, 1) for c, n in res]}
+    state_sha = dist.broadcast_object(CS.state_digest(method.state_dict()) if dist.is_main() else None)
+    allowed_list = None if allowed is None else [int(i) for i in allowed.nonzero().flatten()]
+    root = CS.store_root(cfg, plan.run.root)
+    cells = [CS.Cell(root, CS.cell_key(plan, i, trained, state_sha, allowed_list)) for i in tasks]
+    prior: list[dict[str, dict]] = [{} for _ in tasks]  # rank 0: the rows each cell already holds
+
+    def look() -> list[list[str] | None]:
+        """None for a complete cell; else the keys its committed chunks answer."""
+        out: list[list[str] | None] = []
+        for j, cell in enumerate(cells):
+            if cfg.eval.reuse and cell.complete():
+                out.append(None)
+                continue
+            prior[j] = cell.chunk_rows() if cfg.eval.reuse else {}
+            out.append(sorted(prior[j]))
+        return out
+
+    status = dist.broadcast_object(dist.on_main(look))
+    todo = [j for j, st in enumerate(status) if st is not None]
+    splits = [plan.test[tasks[j]] for j in todo]
+    skips = [set(status[j]) for j in todo]
+    collates = [host.collate(tasks[j], train=False) for j in todo]
+    writers = []
+    for j in todo:
+        w = cells[j].writer(dist.rank(), dist.world_size())
+        w.cell = cells[j]
+        writers.append(w)
+    common = dict(batch_size=cfg.eval.batch_size, policy=cfg.data.split, collates=collates, loader=plan.loader,
+                  progress=cfg.train.progress, desc=desc, skip=skips, writers=writers, chunk_size=cfg.eval.chunk_size)
+    if not todo:
+        new: list[list[dict]] = []
+    elif generation:
+        new = answer_generation(method, splits, max_new_tokens=[cfg.task_max_new_tokens(tasks[j]) for j in todo],
+                                scorers=[plan.scorers[tasks[j]] for j in todo], model_id=cfg.backbone.tag
+                                if cfg.backbone.tag != "local" else Path(cfg.backbone.path).name, **common)
+    else:
+        new = answer_classification(method, splits, allowed_classes=allowed, **common)
+    judge = CS.Judge(cfg.eval.judge)
+
+    def finish() -> list[dict[str, Any]]:
+        out = []
+        for j, i in enumerate(tasks):
+            cell = cells[j]
+            scorer = plan.scorers[i] if generation else "class_match"
+            version = CS.scorer_version(scorer) if generation else None
+            if j in todo:
+                rows = dict(prior[j])
+                answered = new[todo.index(j)]
+                for r in answered:
+                    rows.setdefault(r["key"], r)
+                expected = plan.test[i].num_samples
+                if len(rows) != expected:
+                    raise CS.CellError(f"task {plan.names[i]}: {len(rows)} answers for {expected} test samples in "
+                                       f"{cell.dir} (a split changed under its manifest?)")
+                ordered = sorted(rows.values(), key=lambda r: r["key"])
+                if generation:
+                    total, table, ordered = _score_fresh(scorer, ordered, judge)
+                else:
+                    total, table = float(sum(r["score"] for r in ordered)), None
+                cell.finish(ordered, {"scorer": scorer, "scorer_version": version, "score_sum": total,
+                                      "metrics": table})
+                reused, computed = len(prior[j]), len(answered)
+            else:
+                ordered, info = cell.rows(), cell.info()
+                if (info.get("scorer"), info.get("scorer_version")) == (scorer, version):
+                    total, table = float(info["score_sum"]), info.get("metrics")
+                else:  # scored by another scorer (or another version of it): scored again, no model needed
+                    total, table, ordered = CS.score_rows(scorer, ordered, judge)
+                reused, computed = len(ordered), 0
+            if answers_dir is not None:
+                CS.publish_answers(cell, ordered, answers_dir / f"{i}.jsonl")
+                if table is not None:
+                    atomic_write_text(answers_dir / f"{i}.metrics.json", json.dumps(
+                        {"scorer": scorer, "score": total / max(len(ordered), 1), "metrics": table,
+                         "samples": len(ordered)}, indent=1))
+            out.append({"total": total, "count": len(ordered), "scorer": scorer, "scorer_version": version,
+                        "cell": {"digest": cell.digest, "reused": reused, "computed": computed}})
+        return out
+
+    res = dist.broadcast_object(dist.on_main(finish))
+    row: dict[str, Any] = {"total": [r["count"] for r in res],
+                           "acc": [100.0 * r["total"] / max(r["count"], 1) for r in res],
+                           "cells": [r["cell"] for r in res]}
+    if generation:
+        row["score_sum"] = [r["total"] for r in res]
+        row["scorers"] = [r["scorer"] for r in res]
+        row["scorer_versions"] = [r["scorer_version"] for r in res]
+    else:
+        row["correct"] = [int(r["total"]) for r in res]
+    return row
+
+
+def _score_fresh(scorer: str, rows: list[dict], judge: Any) -> tuple[float, dict | None, list[dict]]:
+    """A freshly answered cell: per-sample scores were given as each batch was answered (from the batch's
+    references); a corpus metric or a judge scores all the rows now."""
+    from mcit.core import caption_metrics as C
+    from mcit.core import judge as J
+    from mcit.run import cells as CS
+
+    if scorer in C.CORPUS or scorer in J.JUDGED:
+        return CS.score_rows(scorer, rows, judge)
+    return float(sum(r["score"] for r in rows)), None, rows
 
 
 def first_task_loss(host: Host) -> float | None:
@@ -78,31 +171,59 @@ def first_task_loss(host: Host) -> float | None:
 
 
 @torch.no_grad()
-def evaluate_tasks(method: Method, splits: list[Split], *, batch_size: int, policy: str, collates: list[Callable],
-                   loader: LoaderOptions = LoaderOptions(), allowed_classes: torch.Tensor | None = None,
-                   progress: bool = False, desc: str = "eval") -> list[tuple[int, int]]:
-    """(correct, total) per split, summed over ranks. ``allowed_classes``: bool mask over classes."""
+def answer_classification(method: Method, splits: list[Split], *, batch_size: int, policy: str,
+                          collates: list[Callable], loader: LoaderOptions = LoaderOptions(),
+                          allowed_classes: torch.Tensor | None = None, progress: bool = False, desc: str = "eval",
+                          skip: list[set[str]] | None = None, writers: list[Any] | None = None,
+                          chunk_size: int = 256) -> list[list[dict]]:
+    """Per split, every rank's answers gathered on rank 0 (``[]`` elsewhere): one row per sample (key, label,
+    predicted class, score 0/1). ``allowed_classes``: bool mask over classes; ``skip``: keys already answered;
+    ``writers``: each split's chunk writer (``mcit.run.cells``), which commits the rows as they come."""
     method.eval()
     device = dist.device()
-    counts = torch.zeros(len(splits), 2, dtype=torch.float64)
-    bar = None
-    if progress and dist.is_main():
-        from mcit.core.progress import progress_bar
-
-        bar = progress_bar(sum(s.num_samples for s in splits), desc, "sample")
+    mine: list[list[dict]] = [[] for _ in splits]
+    bar = _bar(progress, splits, skip, desc)
+    current = -1
     for i, batch in eval_parts(splits, collates, rank=dist.rank(), world=dist.world_size(), batch_size=batch_size,
-                               policy=policy, loader=loader):
+                               policy=policy, loader=loader, skip=skip):
+        if writers and i != current and current >= 0:
+            writers[current].flush()
+        current = i
         batch.allowed_classes = allowed_classes
+        keys = list(batch.keys)
         batch = batch.to(device, non_blocking=True)
-        pred = method.predict(batch)
-        counts[i, 0] += float((pred == batch.labels).sum())
-        counts[i, 1] += len(batch)
+        pred = method.predict(batch).cpu().tolist()
+        labels = batch.labels.cpu().tolist()
+        rows = [{"key": k, "label": int(lab), "prediction": int(p), "score": float(int(p) == int(lab))}
+                for k, lab, p in zip(keys, labels, pred)]
+        mine[i] += rows
+        if writers:
+            writers[i].add(rows, chunk_size)
         if bar is not None:
-            bar.update(len(batch) * dist.world_size())
+            bar.update(len(rows) * dist.world_size())
+    return _gather(mine, writers, bar)
+
+
+def _bar(progress: bool, splits: list[Split], skip: list[set[str]] | None, desc: str) -> Any:
+    if not (progress and dist.is_main()):
+        return None
+    from mcit.core.progress import progress_bar
+
+    left = sum(s.num_samples - (len(skip[i]) if skip else 0) for i, s in enumerate(splits))
+    return progress_bar(left, desc, "sample")
+
+
+def _gather(mine: list[list[dict]], writers: list[Any] | None, bar: Any) -> list[list[dict]]:
+    """Commit what each writer holds, then every rank's rows of each split to rank 0."""
+    for w in writers or []:
+        w.flush()
     if bar is not None:
         bar.close()
-    dist.all_reduce_sum(counts)
-    return [(int(c), int(n)) for c, n in counts.tolist()]
+    out = []
+    for rows in mine:
+        parts = dist.gather_objects(rows)
+        out.append([r for part in parts for r in part] if dist.is_main() else [])
+    return out
 
 
 def answer_row(ref: dict[str, Any], pred: str, score: float, model_id: str) -> dict[str, Any]:
@@ -121,87 +242,42 @@ def answer_row(ref: dict[str, Any], pred: str, score: float, model_id: str) -> d
 
 
 @torch.no_grad()
-def evaluate_generation(method: Method, splits: list[Split], *, batch_size: int, policy: str,
-                        collates: list[Callable], scorers: list[str], max_new_tokens: int | list[int],
-                        loader: LoaderOptions = LoaderOptions(),
-                        answers_dir: Any | None = None, progress: bool = False,
-                        desc: str = "eval", file_ids: list[int] | None = None,
-                        model_id: str = "mcit", judge: Any | None = None) -> list[tuple[float, int]]:
-    """(summed score, count) per split. Each rank generates for its part of every split; the answers
-    are gathered to rank 0, which writes ``answers_dir/<task index>.jsonl`` (``answer_row``) sorted by key,
-    so scores can be recomputed without the model. A corpus scorer (mcit.core.caption_metrics: CIDEr, MCITlib's
-    caption average) scores the gathered answers once (rows carry ``score: null``; the task's number and
-    every metric go to ``<task index>.metrics.json``); its summed score is the corpus value x count. A judged
-    scorer (mcit.core.judge: MLLM-ACL Math) scores the gathered answers on rank 0 with the local judge model of
-    ``judge`` (eval.judge), loaded once when a row needs it; each row keeps the judge's reply.
-    ``file_ids``: the task index of each split (default its position); ``max_new_tokens``: one cap, or one per
-    split."""
-    import json
-
+def answer_generation(method: Method, splits: list[Split], *, batch_size: int, policy: str,
+                      collates: list[Callable], scorers: list[str], max_new_tokens: int | list[int],
+                      loader: LoaderOptions = LoaderOptions(), progress: bool = False, desc: str = "eval",
+                      model_id: str = "mcit", skip: list[set[str]] | None = None, writers: list[Any] | None = None,
+                      chunk_size: int = 256) -> list[list[dict]]:
+    """Per split, every rank's answer rows (``answer_row``) gathered on rank 0 (``[]`` elsewhere). Each rank
+    generates for its part of every split, minus the keys in ``skip``; a per-sample scorer scores each answer
+    from the batch's references as it comes (a corpus metric or a judge scores the whole split later:
+    ``score: null`` here); ``writers`` commit the rows in chunks as they come. ``max_new_tokens``: one cap, or one
+    per split."""
     from mcit.core import caption_metrics as C
+    from mcit.core import judge as J
     from mcit.core import scorers as S
-    from mcit.core.checkpoint import atomic_write_text
 
     method.eval()
     device = dist.device()
-    out: list[tuple[float, int]] = []
-    bar = None
-    if progress and dist.is_main():
-        from mcit.core.progress import progress_bar
-
-        bar = progress_bar(sum(s.num_samples for s in splits), desc, "sample")
-    from mcit.core import judge as J
-
-    judged = [name in J.JUDGED for name in scorers]
-    local_judge: list[Any] = []  # loaded on rank 0 at the first judged task
-
-    def judge_rows(name: str, rows: list[dict]) -> list[dict]:
-        def generate(prompts: list[str]) -> list[str]:
-            if not local_judge:
-                local_judge.append(J.LocalJudge(judge.path, judge.max_new_tokens, judge.batch_size))
-            return local_judge[0](prompts)
-
-        return J.score_rows(name, rows, generate)
-
-    corpora = [name in C.CORPUS for name in scorers]  # a corpus metric (CIDEr ...): scored once over all answers
-    score_fns = [None if corpus or j else S.get(name) for corpus, j, name in zip(corpora, judged, scorers)]
-    answered: list[list[dict]] = [[] for _ in splits]
+    score_fns = [None if name in C.CORPUS or name in J.JUDGED else S.get(name) for name in scorers]
+    mine: list[list[dict]] = [[] for _ in splits]
+    bar = _bar(progress, splits, skip, desc)
+    current = -1
     for i, batch in eval_parts(splits, collates, rank=dist.rank(), world=dist.world_size(), batch_size=batch_size,
-                               policy=policy, loader=loader):
+                               policy=policy, loader=loader, skip=skip):
+        if writers and i != current and current >= 0:
+            writers[current].flush()
+        current = i
         cap = max_new_tokens[i] if isinstance(max_new_tokens, list) else max_new_tokens
         preds = method.generate(batch.to(device, non_blocking=True), cap)
         score = score_fns[i]
-        for pred, ref in zip(preds, batch.meta):
-            answered[i].append(answer_row(ref, pred, None if score is None else score(pred, ref), model_id))
+        rows = [answer_row(ref, pred, None if score is None else score(pred, ref), model_id)
+                for pred, ref in zip(preds, batch.meta)]
+        mine[i] += rows
+        if writers:
+            writers[i].add(rows, chunk_size)
         if bar is not None:
-            bar.update(len(batch) * dist.world_size())
-    for i, rows in enumerate(answered):
-        corpus = corpora[i]
-        gathered = sorted((r for part in dist.gather_objects(rows) for r in part), key=lambda r: r["key"])
-        name = f"{file_ids[i] if file_ids else i}"
-        if corpus:  # rank 0 runs the metric; every rank gets its value
-            value, table = dist.broadcast_object(C.score_rows(scorers[i], gathered) if dist.is_main() else None)
-            if answers_dir is not None:
-                summary = {"scorer": scorers[i], "score": value, "metrics": table, "samples": len(gathered)}
-                dist.on_main(functools.partial(atomic_write_text, answers_dir / f"{name}.metrics.json",
-                                               json.dumps(summary, indent=1)))  # small: built on every rank
-            total = value * len(gathered)
-        elif judged[i]:  # rank 0 asks the judge; every rank gets the scores
-            scored = dist.broadcast_object(judge_rows(scorers[i], gathered) if dist.is_main() else None)
-            for r, sc in zip(gathered, scored):
-                r.update(sc)
-            total = float(sum(r["score"] for r in gathered))
-        else:
-            total = float(sum(r["score"] for r in gathered))
-        if answers_dir is not None:
-            def write_answers(path: Path = answers_dir / f"{name}.jsonl", rows: list[dict] = gathered) -> None:
-                atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))  # rank 0 alone serialises
-
-            dist.on_main(write_answers)
-        out.append((float(total), len(gathered)))
-    if bar is not None:
-        bar.close()
-    return out
+            bar.update(len(rows) * dist.world_size())
+    return _gather(mine, writers, bar)
 
 
 @torch.no_grad()

@@ -56,7 +56,7 @@ class Plan:
     @property
     def num_stages(self) -> int:
         """Training tasks (accuracy-matrix rows): one per task, or one for ``data.schedule: joint``."""
-        return len(self.train)
+        return len(self.train) if self.train else len(self.stage_names)
 
     @property
     def run_dir(self) -> Path:

@@ -16,7 +16,9 @@ def rows(plan: Plan, done: int) -> tuple[list[list[float]], list[float] | None, 
     rd = plan.run
     acc = [read_json(rd.row(t))["acc"] for t in range(done)]
     zs = read_json(rd.row(None))["acc"] if rd.row(None).is_file() else None
-    return acc, zs, [s.num_samples for s in plan.test]
+    if plan.test:
+        return acc, zs, [s.num_samples for s in plan.test]
+    return acc, zs, list(read_json(rd.row(0))["total"])  # a plan built from the run directory alone (--rescore)
 
 
 def write_metrics(plan: Plan, done: int) -> dict[str, Any]:

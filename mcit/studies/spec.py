@@ -243,6 +243,8 @@ def expand(spec: SweepSpec, *, base: Path | None = None, materialize: bool = Tru
                     meta = {"sweep": spec.resolved_name, "config": label, "setting": setting, "seed": seed,
                             "order": oid, "order_unit": unit, "permutation": permutation}
                     data.update(name=name, run_dir=str(out / "runs" / name), meta={**cfg.meta, **meta})
+                    if not data["eval"].get("cells"):  # one cell store: equal cells (zero-shot rows) answered once
+                        data["eval"]["cells"] = "../../cells"  # <out>/cells, from <out>/runs/<point>
                     pcfg = validate_config(data, f"{cfg_path} (sweep point {name})")
                     points.append(Point(name, label, setting, seed, oid, pcfg, out / "configs" / f"{name}.yaml",
                                         out / "runs" / name, meta))

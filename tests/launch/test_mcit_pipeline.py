@@ -62,19 +62,36 @@ def test_two_process_zero3_sequence_of_the_tiny_llava(z3_run):
     for e in subs:  # the broadcast bases are bit-identical on both ranks
         assert len(e["state_sha256_per_rank"]) == 2 and len(set(e["state_sha256_per_rank"])) == 1
     assert subs[-1]["task_rank"] >= subs[-2]["task_rank"] > 0 and subs[0]["pretrained_rank"] > 0
-    # an evaluation-only pass of the ZeRO-3 run's exports on 1 process regenerates the same answers
-    r = launch(["--run", str(run), "--task-checkpoint", "1", "--batch-size", "5"], entry=EVALUATE)
+    # an evaluation-only pass of the ZeRO-3 run's exports on 1 process at another batch size, answering again
+    # (--recompute), regenerates the same answers; without it, the run's own cells are reused (nothing generated)
+    r = launch(["--run", str(run), "--task-checkpoint", "1", "--batch-size", "5", "--recompute"], entry=EVALUATE)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert json.loads((run / "eval" / "evaluate" / "after_task_1.json").read_text())["acc"] == metrics["acc_matrix"][1]
+    row = json.loads((run / "eval" / "evaluate" / "after_task_1.json").read_text())
+    assert row["acc"] == metrics["acc_matrix"][1] and [c["computed"] for c in row["cells"]] == [24, 24]
     for i in range(2):
         assert (run / "eval" / "evaluate" / "answers" / "after_task_1" / f"{i}.jsonl").read_text() == \
             (run / "eval" / "answers" / "after_task_1" / f"{i}.jsonl").read_text()
+    # (the zero-shot state differs: in the run it held the reference stage's pre-trained subspace, built fresh it
+    # does not; another state digest is another cell, answered again, to the same answers)
+    r = launch(["--run", str(run), "--task-checkpoint", "0", "--zero-shot"], entry=EVALUATE)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for tag, want, cells in (("zero_shot", metrics["zero_shot"], [(0, 24), (0, 24)]),
+                             ("after_task_0", metrics["acc_matrix"][0], [(24, 0), (24, 0)])):
+        row = json.loads((run / "eval" / "evaluate" / f"{tag}.json").read_text())
+        own = json.loads((run / "eval" / f"{tag}.json").read_text())
+        assert row["acc"] == want and [(c["reused"], c["computed"]) for c in row["cells"]] == cells, tag
+        assert ([c["digest"] for c in row["cells"]] == [c["digest"] for c in own["cells"]]) == (cells[0][0] > 0)
+        for i in range(2):
+            assert (run / "eval" / "evaluate" / "answers" / tag / f"{i}.jsonl").read_text() == \
+                (run / "eval" / "answers" / tag / f"{i}.jsonl").read_text()
 
 
 def test_killed_mcit_run_resumes_to_identical_answers(mcit_assets, z3_run):
     """Every rank killed after step 3 of task 1 under ZeRO-3 (checkpoint_every=2): the re-run resumes
-    from step 2 and ends with the uninterrupted run's rows and answers."""
-    cfg = mcit_config(mcit_assets, z3_run, "killed", **Z3)
+    from step 2. That re-run is killed (SIGKILL, each rank) in the middle of the last row's first test split, right
+    after committing its first chunk of answers (4 samples); the next one answers only the samples no chunk holds
+    and ends with the uninterrupted run's rows and answers."""
+    cfg = mcit_config(mcit_assets, z3_run, "killed", **Z3, eval={"chunk_size": 4})
     r = launch(["--config", str(cfg)], launcher="deepspeed", nproc=2, entry=FAULTY, MCIT_TEST_FAULT="1:3")
     assert r.returncode != 0
     killed = z3_run / "runs" / "killed"
@@ -82,8 +99,18 @@ def test_killed_mcit_run_resumes_to_identical_answers(mcit_assets, z3_run):
     assert ("reference" in state["completed"] and "0/commit" in state["completed"]
             and "1/train" not in state["completed"])
     assert json.loads((killed / "checkpoints/task_1/steps/committed.json").read_text())["global_step"] == 2
+    r = launch(["--config", str(cfg)], launcher="deepspeed", nproc=2, entry=FAULTY, MCIT_TEST_EVAL_KILL="2:0:1")
+    assert r.returncode != 0
+    state = json.loads((killed / "state.json").read_text())
+    assert "1/subspace" in state["completed"] and "1/eval" not in state["completed"]
+    chunks = list((killed / "eval" / "cells").rglob("chunks/*.jsonl"))
+    held = {json.loads(x)["key"] for f in chunks for x in f.read_text().splitlines()}
+    assert len(chunks) in (1, 2) and len(held) == 4 * len(chunks)  # one chunk of 4 per rank that got there
     r = launch(["--config", str(cfg)], launcher="deepspeed", nproc=2)
     assert r.returncode == 0, r.stderr[-3000:]
+    cells = json.loads((killed / "eval" / "after_task_1.json").read_text())["cells"]
+    assert [(c["reused"], c["computed"]) for c in cells] == [(len(held), 24 - len(held)), (0, 24)]
+    assert not list((killed / "eval" / "cells").rglob("chunks"))
     got = json.loads((killed / "metrics.json").read_text())
     want = json.loads((z3_run / "runs" / "z3" / "metrics.json").read_text())
     assert got["acc_matrix"] == want["acc_matrix"] and got["zero_shot"] == want["zero_shot"]
@@ -179,3 +206,74 @@ def test_lmms_eval_adapter_answers_as_the_pipeline_s_own_evaluation(z3_run, mcit
     assert set(metrics["general_ability"]) == {"zero_shot", "after_task_1"}
     report = (run / "report.md").read_text()
     assert "## General ability (lmms-eval)" in report and "| zero shot |" in report and "| after task 1 |" in report
+
+
+def test_rescore_gives_the_rows_again_without_the_model_and_a_swapped_scorer_s_numbers(z3_run, tmp_path):
+    """``mcit-evaluate --rescore`` on a copy of the finished run without its checkpoints (no model state to load)
+    writes every row (the run's and the evaluation-only passes'), metrics.json and report.md again, equal to what the
+    run wrote; the rows it replaced are kept under eval/rescored/. With ``--config`` giving the count task another
+    scorer, the count column becomes that scorer's numbers over the stored answers, the colour column stays. A
+    config that changes what was answered, and a run with an answer file missing, are refused in one line before
+    anything is written."""
+    import shutil
+
+    import yaml
+
+    from mcit.run.cells import row_reference, scorer_version
+
+    run = tmp_path / "z3"
+    shutil.copytree(z3_run / "runs" / "z3", run, ignore=shutil.ignore_patterns("checkpoints"))
+    rows = {f: json.loads(f.read_text()) for f in [*run.glob("eval/*.json"), *run.glob("eval/evaluate/*.json")]}
+    assert len(rows) >= 3
+    metrics = json.loads((run / "metrics.json").read_text())
+    r = launch(["--rescore", "--run", str(run)], entry=EVALUATE)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for f, row in rows.items():
+        now = json.loads(f.read_text())
+        assert now.pop("rescored")["previous"].startswith(str(run / "eval" / "rescored"))
+        assert now == {**row, "scorer_versions": [scorer_version("exact_match")] * 2}
+    again = json.loads((run / "metrics.json").read_text())
+    assert {k: again[k] for k in ("acc_matrix", "zero_shot", "final_avg_acc", "forgetting", "bwt")} == \
+        {k: metrics[k] for k in ("acc_matrix", "zero_shot", "final_avg_acc", "forgetting", "bwt")}
+    kept = next((run / "eval" / "rescored").iterdir())
+    assert json.loads((kept / "metrics.json").read_text()) == metrics
+
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    root = cfg["data"]["root"]
+    cfg["data"]["tasks"] = [{"name": n, "train": f"{root}/{n}/train", "test": f"{root}/{n}/test",
+                             **({"scorer": "multiple_choice"} if n == "count" else {})} for n in ("colour", "count")]
+    swapped = tmp_path / "swapped.yaml"
+    swapped.write_text(yaml.safe_dump(cfg))
+    r = launch(["--rescore", "--run", str(run), "--config", str(swapped)], entry=EVALUATE)
+    assert r.returncode == 0, r.stderr[-3000:]
+    from mcit.core import scorers as S
+
+    moved = 0
+    for f, row in rows.items():
+        now = json.loads(f.read_text())
+        answers = [json.loads(x) for x in (f.parent / "answers" / f.stem / "1.jsonl").read_text().splitlines()]
+        want = 100 * sum(S.multiple_choice(a["prediction"], row_reference(a)) for a in answers) / len(answers)
+        assert now["acc"][1] == pytest.approx(want, abs=1e-9) and now["acc"][0] == row["acc"][0]
+        assert now["scorers"] == ["exact_match", "multiple_choice"]
+        assert now["scorer_versions"][1] == scorer_version("multiple_choice")
+        moved += now["acc"][1] != row["acc"][1]
+    # the swap shows in the numbers: the tiny model's one-word counts are no option letter (every other per-sample
+    # scorer that reads these references gives exact_match's numbers on these answers: 4, 5 and 5 of 24 right)
+    assert moved >= 2
+    assert json.loads((run / "metrics.json").read_text())["acc_matrix"][1][1] != metrics["acc_matrix"][1][1]
+
+    cfg["train"]["lr"] = 0.5
+    swapped.write_text(yaml.safe_dump(cfg))
+    r = launch(["--rescore", "--run", str(run), "--config", str(swapped)], entry=EVALUATE)
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert r.returncode == 2 and len(errors) == 1 and "train.lr differs from the run's own config" in errors[0]
+
+    bare = tmp_path / "bare"
+    shutil.copytree(z3_run / "runs" / "z3", bare, ignore=shutil.ignore_patterns("checkpoints"))
+    (bare / "eval" / "answers" / "after_task_0" / "1.jsonl").unlink()
+    before = (bare / "metrics.json").read_text()
+    r = launch(["--rescore", "--run", str(bare)], entry=EVALUATE)
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert r.returncode == 2 and len(errors) == 1, r.stderr[-2000:]
+    assert "no stored answers for task count" in errors[0] and "after_task_0/1.jsonl" in errors[0]
+    assert (bare / "metrics.json").read_text() == before and not (bare / "eval" / "rescored").exists()

@@ -3,7 +3,8 @@
 COCOEvalCap, run outside the repository on three corpora of 32, 10 and 4 (prediction, references) pairs:
 references themselves, case and punctuation changes, unrelated and truncated captions, extra words).
 Every metric, and MCITlib's "Average", must be the same; the corpus scorer runs inside the pipeline's
-evaluation exactly as here (mcit.run.evaluation.evaluate_generation -> caption_metrics.score_rows)."""
+evaluation exactly as here (mcit.run.evaluation.evaluate_row -> mcit.run.cells.score_rows ->
+caption_metrics.score_rows)."""
 
 from __future__ import annotations
 

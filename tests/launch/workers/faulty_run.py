@@ -18,6 +18,10 @@ once (the first micro-batch of that step), through the test-only seam ``mcit.run
     MCIT_TEST_PAUSE=task:step:seconds[:release_file]  sleeps on every rank after that optimizer step (a slow
     run, results unchanged), at most ``seconds``, ending early once ``release_file`` exists.
 
+    MCIT_TEST_EVAL_KILL=trained:task:chunks  SIGKILLs each rank right after it committed its ``chunks``-th chunk of
+    answers to the evaluation cell of task ``task`` after ``trained`` tasks (0: the zero-shot row), through
+    ``mcit.run.cells.on_chunk``: a pass killed in the middle of a task's test split.
+
     MCIT_TEST_STARTUP_PAUSE=moment:marker  stops every rank at a start-up moment for 300 s, after writing
     ``marker.<rank>``, so a test can SIGKILL the launch there: ``preflight`` (checked, nothing written),
     ``ops_locked`` (inside mcit's extension lock with torch's own build lock taken, as torch takes it to build
@@ -115,6 +119,18 @@ def install_startup_pause(spec: str) -> None:
         on_startup.append(lambda name: stop(os.environ.get("RANK", "0")) if name == moment else None)
 
 
+def install_eval_kill(spec: str) -> None:
+    trained, task, chunks = (int(x) for x in spec.split(":"))
+
+    from mcit.run.cells import on_chunk
+
+    @on_chunk
+    def kill(cell: object, writer: str, seq: int) -> None:
+        key = getattr(cell, "key", {})
+        if (key.get("trained"), key.get("task")) == (trained, task) and seq + 1 >= chunks:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 def install_write_fail(spec: str) -> None:
     import errno
 
@@ -141,6 +157,8 @@ if __name__ == "__main__":
         install_pause(os.environ["MCIT_TEST_PAUSE"])
     if os.environ.get("MCIT_TEST_FAULT"):
         install(os.environ["MCIT_TEST_FAULT"])
+    if os.environ.get("MCIT_TEST_EVAL_KILL"):
+        install_eval_kill(os.environ["MCIT_TEST_EVAL_KILL"])
     if os.environ.get("MCIT_TEST_NONFINITE"):
         install_nonfinite(os.environ["MCIT_TEST_NONFINITE"])
     from mcit.cli.run import main
