@@ -1,7 +1,8 @@
 """Score a run's checkpoints without training: ``python pipelines/evaluate.py --run RUN_DIR``.
 
     python pipelines/evaluate.py --run runs/X [--task-checkpoint K [K ...] | all] [--zero-shot]
-                                 [--tasks NAME ...] [--batch-size B] [--write-rows]
+                                 [--tasks NAME ...] [--batch-size B] [--write-rows] [--recompute]
+                                 [eval.KEY=VALUE ...]
     python pipelines/evaluate.py --run runs/X --lmms-eval TASK ... [--lmms-include DIR] [--zero-shot] [...]
     python pipelines/evaluate.py --rescore --run runs/X|runs/sweeps/S [--config C]   (no model loaded)
     deepspeed --num_gpus 2 pipelines/evaluate.py --run runs/X ...   (or torchrun / srun: sharded; or mcit-evaluate)
@@ -61,8 +62,16 @@ def _main(argv: list[str] | None) -> int:
                          "rows, metrics.json, report.md (a sweep: also its tables)")
     ap.add_argument("--config", type=Path, default=None,
                     help="--rescore: the run's config with other task scorers (data.tasks[i].scorer, eval.judge)")
+    ap.add_argument("overrides", nargs="*", metavar="eval.KEY=VALUE",
+                    help="evaluation settings for this pass (e.g. eval.max_new_tokens=32): cells whose key they "
+                         "change are answered again")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    for name in ("task_checkpoint", "tasks"):  # a list option swallows the settings that follow it
+        values = getattr(args, name)
+        if values:
+            setattr(args, name, [v for v in values if "=" not in v] or None)
+            args.overrides += [v for v in values if "=" in v]
     if args.rescore or args.config is not None:
         return _rescore(args)
     from mcit.core.distributed import default_accelerator
@@ -80,6 +89,11 @@ def _main(argv: list[str] | None) -> int:
         return common.fail(f"{run.root} is not a run directory (no config.yaml)")
     overrides = [f"eval.batch_size={args.batch_size}"] if args.batch_size is not None else []
     overrides += ["eval.reuse=false"] if args.recompute else []
+    for o in args.overrides:
+        if not o.startswith("eval.") or "=" not in o:
+            return common.fail(f"{o!r}: an evaluation pass takes eval.KEY=VALUE settings only; the rest of the run's "
+                               f"config decides what its checkpoints are")
+    overrides += args.overrides
     try:
         plan = preflight(load_config(run.config, overrides), run_dir=run.root)
     except Exception as e:  # noqa: BLE001 - every pre-flight failure is one line and exit 2
@@ -147,7 +161,7 @@ def _rescore(args: argparse.Namespace) -> int:
     other = [flag for flag, on in (("--task-checkpoint", args.task_checkpoint), ("--zero-shot", args.zero_shot),
                                    ("--tasks", args.tasks), ("--batch-size", args.batch_size),
                                    ("--write-rows", args.write_rows), ("--lmms-eval", args.lmms_eval),
-                                   ("--recompute", args.recompute)) if on]
+                                   ("--recompute", args.recompute), ("eval settings", args.overrides)) if on]
     if other:
         return common.fail(f"--rescore reads the stored answers of every row; leave out {other[0]}")
     from mcit.core.config import ConfigError

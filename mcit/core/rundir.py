@@ -18,6 +18,7 @@
                                          while one is answered (eval.cells may put the store elsewhere)
       eval/rescored/<time>/              the rows, metrics.json, report.md a --rescore replaced
       checkpoints/current.safetensors    the method state the last committed stage left
+      checkpoints/zero_shot/method.safetensors  the state the zero-shot row was evaluated in
       checkpoints/task_<t>/method.safetensors + method.json   the export after task t
       checkpoints/task_<t>/steps[.<phase>]/                    DeepSpeed step checkpoints of a task
 
@@ -176,6 +177,11 @@ class RunDir:
     @property
     def current_state(self) -> Path:
         return self.root / self.CURRENT_STATE
+
+    @property
+    def zero_shot_state(self) -> Path:
+        """The method state the zero-shot row was evaluated in (an evaluation-only pass loads it: the same cells)."""
+        return self.root / "checkpoints" / "zero_shot" / "method.safetensors"
 
     def task_dir(self, task: int) -> Path:
         return self.root / "checkpoints" / f"task_{task}"

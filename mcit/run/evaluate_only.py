@@ -34,6 +34,8 @@ def evaluate_checkpoints(plan: Plan, ks: list[int], tasks: list[int], *, zero_sh
     results: list[tuple[str, list[float]]] = []
     for k in ([None] if zero_shot else []) + ks:
         if k is None:
+            if run.zero_shot_state.is_file():  # the state the run's own zero-shot row saw
+                host.load(load_state(run.zero_shot_state))
             with host.zero_shot():
                 row = evaluate_row(host, trained=0, tasks=tasks, answers_dir=run.answers(None, evaluate_only=True),
                                    desc="zero-shot eval")

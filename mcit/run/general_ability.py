@@ -210,6 +210,8 @@ def evaluate_general(plan: Any, ks: list[int], tasks: list[str], *, zero_shot: b
     for k in ([None] if zero_shot else []) + ks:
         tag = row_tag(k)
         if k is None:
+            if run.zero_shot_state.is_file():  # the state the run's own zero-shot row saw
+                host.load(load_state(run.zero_shot_state))
             with host.zero_shot():
                 res = run_tasks(make_adapter(host, 0, cfg.eval.batch_size, cfg.eval.max_new_tokens), tasks,
                                 manager, limit)

@@ -124,6 +124,9 @@ class Pipeline:
         self._mark("reference", method_state=self._save_current("reference"))
 
     def stage_zero_shot(self) -> None:
+        # kept, so an evaluation-only pass of the zero-shot row evaluates this state (and reuses its cells)
+        dist.on_main(lambda: save_state(self.run_dir.zero_shot_state, self.host.method.state_dict(),
+                                        {"zero_shot": "the state the zero-shot row was evaluated in"}))
         with self.host.zero_shot():
             row = evaluate_row(self.host, trained=0, answers_dir=self.run_dir.answers(None), desc="zero-shot eval")
         dist.on_main(lambda: write_json(self.run_dir.row(None), row))

@@ -29,7 +29,8 @@ def test_method_runs_through_the_deepspeed_pipeline_and_evaluates_alike(method, 
     report = [r for r in log if r.get("event") == "subspace"]
     assert len(report) == 2 and len(set(report[-1]["state_sha256_per_rank"])) == 1
     assert "tap_loss" in report[-1]
-    res = launch(["--run", str(run_dir), "--task-checkpoint", "1", "--batch-size", "7"], entry=EVALUATE)
+    res = launch(["--run", str(run_dir), "--task-checkpoint", "1", "--batch-size", "7", "--recompute"],
+                 entry=EVALUATE)
     assert res.returncode == 0, res.stderr[-3000:]
     row = json.loads((run_dir / "eval" / "evaluate" / "after_task_1.json").read_text())
     assert row["acc"] == metrics["acc_matrix"][1]

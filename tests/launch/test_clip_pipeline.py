@@ -46,7 +46,7 @@ def test_star_prompt_runs_both_levels_as_pipeline_stages_on_two_ranks(assets, cl
     record = json.loads((run / "backbone.json").read_text())["auxiliary"]["clip"]  # the CLIP, through the zoo
     assert record["sha256"] == sha256_path(clip_backbone) and record["tag"] == "local"
     metrics = json.loads((run / "metrics.json").read_text())
-    res = launch(["--run", str(run), "--task-checkpoint", "1", "--batch-size", "7"], entry=EVALUATE)
+    res = launch(["--run", str(run), "--task-checkpoint", "1", "--batch-size", "7", "--recompute"], entry=EVALUATE)
     assert res.returncode == 0, res.stderr[-3000:]
     row = json.loads((run / "eval" / "evaluate" / "after_task_1.json").read_text())
     assert row["acc"] == metrics["acc_matrix"][1]

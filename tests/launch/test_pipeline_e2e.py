@@ -252,14 +252,15 @@ def test_evaluate_reproduces_the_stored_rows_on_another_world_size(reference_run
     _, run_dir, _ = reference_run
     m = json.loads((run_dir / "metrics.json").read_text())
     before = _training_state(run_dir)
-    res = launch(["--run", str(run_dir), "--task-checkpoint", "all", "--zero-shot", "--batch-size", "7"],
-                 entry=EVALUATE)
+    res = launch(["--run", str(run_dir), "--task-checkpoint", "all", "--zero-shot", "--batch-size", "7",
+                  "--recompute"], entry=EVALUATE)
     assert res.returncode == 0, res.stderr[-3000:]
     assert [_row(run_dir, f"after_task_{k}") for k in range(3)] == m["acc_matrix"]
     assert _row(run_dir, "zero_shot") == m["zero_shot"]
     assert "evaluated on 1 process" in res.stdout
     assert _training_state(run_dir) == before
-    res = launch(["--run", str(run_dir), "--task-checkpoint", "1", "--tasks", "task0", "task2"], entry=EVALUATE,
+    res = launch(["--run", str(run_dir), "--task-checkpoint", "1", "--tasks", "task0", "task2", "--recompute"],
+                 entry=EVALUATE,
                  launcher="deepspeed", nproc=2)
     assert res.returncode == 0, res.stderr[-3000:]
     assert _row(run_dir, "after_task_1") == [m["acc_matrix"][1][0], m["acc_matrix"][1][2]]

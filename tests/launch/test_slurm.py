@@ -193,10 +193,10 @@ def test_usr1_mid_training_checkpoints_requeues_and_resumes(slurm, slurm_config,
 
 def test_evaluate_under_srun_on_two_nodes_reproduces_the_rows(slurm, one_node_run):
     """pipelines/evaluate.py started by ``srun -N2 -n2`` directly (ranks from SLURM_PROCID): the
-    one-node run's rows, evaluated on two nodes."""
+    one-node run's rows, answered again (--recompute: not the run's own cells) on two nodes."""
     _, run_dir, _ = one_node_run
     r = subprocess.run(["srun", "-N", "2", "-n", "2", sys.executable, str(ROOT / "pipelines" / "evaluate.py"),
-                        "--run", str(run_dir), "--task-checkpoint", "all"], cwd=ROOT, env=slurm["env"],
+                        "--run", str(run_dir), "--task-checkpoint", "all", "--recompute"], cwd=ROOT, env=slurm["env"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "evaluated on 2 process(es)" in r.stdout
