@@ -62,6 +62,9 @@ def _main(argv: list[str] | None) -> int:
                          "rows, metrics.json, report.md (a sweep: also its tables)")
     ap.add_argument("--config", type=Path, default=None,
                     help="--rescore: the run's config with other task scorers (data.tasks[i].scorer, eval.judge)")
+    ap.add_argument("--worker-row", default=None, metavar="ROW",
+                    help="a deferred run's evaluation worker (started by the run): its row ROW (zero_shot or "
+                         "after_task_<t>), written as the run's own")
     ap.add_argument("overrides", nargs="*", metavar="eval.KEY=VALUE",
                     help="evaluation settings for this pass (e.g. eval.max_new_tokens=32): cells whose key they "
                          "change are answered again")
@@ -98,6 +101,22 @@ def _main(argv: list[str] | None) -> int:
         plan = preflight(load_config(run.config, overrides), run_dir=run.root)
     except Exception as e:  # noqa: BLE001 - every pre-flight failure is one line and exit 2
         return common.before_launch(e)
+    if args.worker_row is not None:
+        from mcit.run.deferred import tag_row
+        from mcit.run.evaluate_only import worker_row
+
+        try:
+            k = tag_row(args.worker_row)
+        except (ValueError, IndexError):
+            return common.fail(f"--worker-row: a row is zero_shot or after_task_<t>, not {args.worker_row!r}")
+        state = run.zero_shot_state if k is None else run.task_state(k)
+        if not state.is_file():
+            return common.fail(f"--worker-row {args.worker_row}: {state} does not exist (not committed yet?)")
+        try:
+            worker_row(plan, args.worker_row)
+        except Exception as e:  # noqa: BLE001 - mapped to one line and an exit code (mcit.cli.common)
+            return common.after_launch(e, plan.run_dir)
+        return 0
     available = run.exported_tasks()
     if args.task_checkpoint is None:
         ks = [] if args.zero_shot else available[-1:]

@@ -241,8 +241,34 @@ class JudgeConfig(_Strict):
     batch_size: int = Field(8, ge=1)
 
 
+class EvalSlurmConfig(_Strict):
+    """The resources of a deferred run's evaluation jobs (``eval.workers: slurm``): one job per row."""
+
+    nodes: int = Field(1, ge=1)
+    gpus_per_node: int = Field(0, ge=0, description="--gres=gpu:N for each job (0: none asked for)")
+    time: str | None = Field(None, description="--time of each job (default: the partition's)")
+    partition: str | None = Field(None, description="--partition of each job (default: the cluster's)")
+    sbatch_args: list[str] = Field(default_factory=list, description="more sbatch options, as given "
+                                                                     "(e.g. [--account=x, --qos=y, -w, node2])")
+
+
 class EvalConfig(_Strict):
     batch_size: int = Field(64, ge=1)
+    schedule: Literal["inline", "deferred"] = Field(
+        "inline", description="inline: each row is evaluated in the run's own eval stage before the next task trains; "
+                              "deferred: the commit of each task hands its row to an evaluation worker and training "
+                              "goes on at once (mcit.run.deferred); the run ends when every row is in, with the rows, "
+                              "metrics and report of an inline run")
+    workers: Literal["local", "slurm"] = Field(
+        "local", description="deferred: where a row's worker runs: a process on this machine (on eval.devices), or "
+                             "one Slurm job per row (eval.slurm)")
+    devices: str | None = Field(None, description="deferred, local workers: CUDA_VISIBLE_DEVICES of the workers (the "
+                                                  "devices kept for evaluation; the run's launcher gets the others)")
+    worker_nproc: int = Field(1, ge=1, description="deferred: ranks of each evaluation worker")
+    worker_attempts: int = Field(3, ge=1, description="deferred: starts of a row's worker per launch before the run "
+                                                      "stops naming the worker's log")
+    poll_s: float = Field(2.0, gt=0, description="deferred: seconds between two looks at the workers' rows")
+    slurm: EvalSlurmConfig = Field(default_factory=EvalSlurmConfig)
     judge: JudgeConfig = Field(default_factory=JudgeConfig)
     zero_shot: bool = Field(True, description="evaluate the untrained method first (the forward-transfer baseline)")
     max_new_tokens: int = Field(16, ge=1, description="generation cap for instruction tasks")

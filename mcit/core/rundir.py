@@ -90,6 +90,22 @@ class RunDirLock:
         self._fd = fd
         return None
 
+    def held(self) -> bool:
+        """Whether another process holds the lock now (a probe: nothing is written, the lock is not kept)."""
+        import fcntl
+        import os
+
+        if not self.path.is_file():
+            return False
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return True
+        finally:
+            os.close(fd)  # closing drops a lock the probe took
+        return False
+
     def release(self) -> None:
         import os
 

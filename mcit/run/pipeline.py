@@ -30,6 +30,7 @@ from mcit.core.registry import METHODS
 from mcit.core.rundir import RunDir
 from mcit.data.loader import eval_batches
 from mcit.data.shards import DataError, Split
+from mcit.run.deferred import Workers
 from mcit.run.engine import JsonlLogger, TaskTrainer, data_seed
 from mcit.run.evaluation import evaluate_row, first_task_loss
 from mcit.run.lifecycle import MethodHost
@@ -82,6 +83,7 @@ class Pipeline:
         self.state: dict[str, Any] = {"completed": [], "method_state": None}
         self.logger: JsonlLogger | None = None
         self.host = MethodHost(plan)
+        self.workers = Workers(plan.cfg, plan.run) if plan.cfg.eval.schedule == "deferred" else None
 
     # -- bookkeeping --------------------------------------------------------------------------------
     def _mark(self, key: str, **extra: Any) -> None:
@@ -127,6 +129,10 @@ class Pipeline:
         # kept, so an evaluation-only pass of the zero-shot row evaluates this state (and reuses its cells)
         dist.on_main(lambda: save_state(self.run_dir.zero_shot_state, self.host.method.state_dict(),
                                         {"zero_shot": "the state the zero-shot row was evaluated in"}))
+        if self.workers is not None:  # deferred: a worker answers the row from that state
+            self._mark("zero_shot")
+            self._hand_off()
+            return
         with self.host.zero_shot():
             row = evaluate_row(self.host, trained=0, answers_dir=self.run_dir.answers(None), desc="zero-shot eval")
         dist.on_main(lambda: write_json(self.run_dir.row(None), row))
@@ -165,6 +171,9 @@ class Pipeline:
         self._mark(key, method_state=self._save_current(key))
 
     def stage_eval(self, t: int) -> None:
+        if self.workers is not None:  # deferred: the row is answered from the export the commit writes
+            self._mark(f"{t}/eval")
+            return
         self.host.enter_eval(t)  # also when a resumed run starts at this stage
         row = evaluate_row(self.host, trained=t + 1, answers_dir=self.run_dir.answers(t), desc=f"task {t} eval")
         row["first_task_loss"] = first_task_loss(self.host)
@@ -180,12 +189,44 @@ class Pipeline:
                 "task": t, "task_name": self.plan.stage_names[t], "method": self.cfg.method.name,
                 "method_params": self.cfg.method.params().model_dump(), "backbone": self.plan.backbone_records(),
                 "tensors": {k: list(v.shape) for k, v in state.items()}})
-            write_metrics(self.plan, done=t + 1)
+            if self.workers is None:  # deferred: the rows come in later; metrics once they are all in
+                write_metrics(self.plan, done=t + 1)
             for steps in self.run_dir.step_dirs(t):
                 shutil.rmtree(steps, ignore_errors=True)
 
         dist.on_main(write)
         self._mark(f"{t}/commit")
+        if self.workers is not None:
+            self._hand_off()
+
+    # -- deferred evaluation ----------------------------------------------------------------------------
+    def _committed_rows(self) -> list[str]:
+        """The rows whose method state is committed: the zero-shot row, and the row after each committed task."""
+        done = self.state["completed"]
+        return ((["zero_shot"] if "zero_shot" in done else [])
+                + [f"after_task_{t}" for t in range(self.plan.num_stages) if f"{t}/commit" in done])
+
+    def _hand_off(self) -> list[str]:
+        """Rank 0 starts a worker for every committed row that is neither in nor being answered; every rank gets
+        the rows still missing."""
+        tags = self._committed_rows()
+        return dist.broadcast_object(dist.on_main(lambda: self.workers.ensure(tags)))
+
+    def _wait_rows(self) -> None:
+        """Until every row is in (rank 0 restarting dead workers; one small collective per look), then metrics.json
+        and report.md."""
+        said = False
+        while True:
+            missing = self._hand_off()
+            if not missing:
+                break
+            if not said:
+                self._say(f"waiting for the evaluation workers of {len(missing)} row(s): {', '.join(missing)}")
+                said = True
+            if preemption.agreed(self.run_dir.preempt_request):
+                raise preemption.Preempted("while waiting for the evaluation workers (every task committed)")
+            time.sleep(self.cfg.eval.poll_s)
+        dist.on_main(lambda: write_metrics(self.plan, done=self.plan.num_stages))
 
     # -- the loop -----------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -208,6 +249,8 @@ class Pipeline:
         if dist.is_main():
             preemption.clear(rd.preempt_request)  # a request that stopped an earlier job is done with
         dist.barrier()
+        if self.workers is not None and self.state["completed"]:  # rows a killed launch left to dead workers
+            self._hand_off()
         for key in stage_keys(self.plan):
             if key in self.state["completed"]:
                 continue
@@ -227,11 +270,16 @@ class Pipeline:
                                           f"(train.collective_timeout_s={self.cfg.train.collective_timeout_s:g})"
                                           ) from None
                 raise
-            if stage == "commit" and dist.is_main():
+            if stage == "commit" and dist.is_main() and self.workers is not None:
+                self._say(f"task {t} ({self.plan.stage_names[int(t)]}) committed; its row goes to an evaluation "
+                          f"worker")
+            elif stage == "commit" and dist.is_main():
                 acc, _, _ = rows(self.plan, int(t) + 1)
                 seen = len(self.plan.names) if self.cfg.data.schedule == "joint" else int(t) + 1
                 self._say(f"task {t} ({self.plan.stage_names[int(t)]}) committed: acc on seen tasks "
                           + " ".join(f"{a:.1f}" for a in acc[-1][:seen]))
+        if self.workers is not None:
+            self._wait_rows()
         dist.on_main(lambda: write_json(rd.state, {**self.state, "finished": True}))
         self.state["finished"] = True
         if self.logger:

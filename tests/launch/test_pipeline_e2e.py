@@ -509,7 +509,9 @@ def _wait_for_any(marker: Path, timeout: float = 180) -> None:
 
 def test_one_live_launch_per_run_dir_and_a_killed_one_leaves_no_lock(assets, work, reference_run):
     """A second 2-rank launch on a run directory in use stops at once naming the first (its pid); the first
-    finishes with the uninterrupted run's matrix. After a SIGKILL of every process of a launch -- during the
+    finishes with the uninterrupted run's matrix. The first evaluates deferred (``eval.schedule: deferred``, local
+    workers): its rows are answered by worker processes beside the training, the zero-shot row while task 0 still
+    trains, and the run ends once they are in. After a SIGKILL of every process of a launch -- during the
     process-group set-up, before the config is written, while training, inside DeepSpeed's op load with torch's
     build lock taken -- the same command takes the directory over with no manual step (a stale build lock removed
     and named) and ends with the same matrix."""
@@ -519,7 +521,7 @@ def test_one_live_launch_per_run_dir_and_a_killed_one_leaves_no_lock(assets, wor
 
     _, ref_dir, _ = reference_run
     ref = json.loads((ref_dir / "metrics.json").read_text())["acc_matrix"]
-    cfg = tiny_config(assets, work, "locked")
+    cfg = tiny_config(assets, work, "locked", eval={"schedule": "deferred", "workers": "local", "poll_s": 0.5})
     run_dir = work / "runs" / "locked"
     release = work / "locked.release"
     first = _start(cfg, MCIT_TEST_PAUSE=f"0:2:120:{release}")  # asleep after task 0 step 2 until released
@@ -536,7 +538,16 @@ def test_one_live_launch_per_run_dir_and_a_killed_one_leaves_no_lock(assets, wor
     assert f"pid {holder['pid']}" in line[0] and holder["host"] in line[0]
     assert took < 90, took  # the launcher's start-up and one all-reduce, no training
     assert first.returncode == 0, err[-2000:]
-    assert json.loads((run_dir / "metrics.json").read_text())["acc_matrix"] == ref
+    got = json.loads((run_dir / "metrics.json").read_text())
+    want = json.loads((ref_dir / "metrics.json").read_text())
+    assert got["acc_matrix"] == ref and got["zero_shot"] == want["zero_shot"]
+    assert got["first_task_loss"] == want["first_task_loss"]
+    events = [json.loads(x) for x in (run_dir / "logs" / "train.jsonl").read_text().splitlines()]
+    trained = next(e["time"] for e in events if e.get("stage") == "0/train")
+    assert (run_dir / "eval" / "zero_shot.json").stat().st_mtime < trained  # answered while task 0 trained
+    for tag in ("zero_shot", "after_task_0", "after_task_1", "after_task_2"):
+        rec = json.loads((run_dir / "eval" / "workers" / f"{tag}.json").read_text())
+        assert rec["launcher"] == "local" and rec["attempt"] == 1 and f"row {tag}:" in Path(rec["log"]).read_text()
 
     # The same command after a SIGKILL of the whole launch at each moment of start-up and while training; every
     # start finds what the killed one left (logs/, run.lock, torch's build lock) and goes on; the last finishes

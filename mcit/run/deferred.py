@@ -1,0 +1,185 @@
+"""Evaluation beside training (``eval.schedule: deferred``): each committed checkpoint's row is answered by a worker
+while the run trains the next task.
+
+The pipeline hands a row over once its method state is on disk (the zero-shot state at the ``zero_shot`` stage,
+the export of task t at ``t/commit``) and goes on. A worker is ``mcit-evaluate --run R --worker-row TAG``: a
+process on this machine (``eval.workers: local``, on the devices of ``eval.devices``) or one Slurm job per row
+(``eval.workers: slurm``, resources from ``eval.slurm``). It holds an ``flock`` on ``eval/workers/<row>.lock``
+while it lives and writes the run's own row file (the row, its answers, its cells) and nothing else; the run
+itself writes metrics.json and report.md once every row is in, then marks itself finished. A row's record
+(``eval/workers/<row>.json``: launcher, pid or job id, attempt) lets the next launch of the same command tell a
+live worker from a dead one: a live one (its lock held, its process alive, its job pending or running) is left to
+finish, a dead one whose row is missing is started again, at most ``eval.worker_attempts`` times per launch, so a
+cancelled or preempted worker costs a resubmission, never a duplicate.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from mcit.core.checkpoint import write_json
+from mcit.core.rundir import RunDir, RunDirLock, row_tag
+
+ALIVE_SLURM = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED",
+               "RESIZING", "SUSPENDED", "STAGE_OUT", "SIGNALING"}
+
+
+class WorkerError(RuntimeError):
+    """A row's workers ended without it as often as allowed; one line naming the row and the worker's log."""
+
+
+def tag_row(tag: str) -> int | None:
+    """The checkpoint of a row tag (``zero_shot`` -> None, ``after_task_3`` -> 3)."""
+    return None if tag == "zero_shot" else int(tag.rsplit("_", 1)[1])
+
+
+def worker_lock(run: RunDir, tag: str) -> RunDirLock:
+    return RunDirLock(run.root / "eval" / "workers" / f"{tag}.lock")
+
+
+class Workers:
+    """Rank 0's view of a deferred run's evaluation workers."""
+
+    def __init__(self, cfg: Any, run: RunDir, repo: Path | None = None) -> None:
+        self.cfg, self.run = cfg, run
+        self.where = run.root / "eval" / "workers"
+        self.started: dict[str, int] = {}  # this launch's starts per row
+        self.repo = repo or Path.cwd()  # where a Slurm worker job starts (the run's paths are absolute)
+
+    def record(self, tag: str) -> dict[str, Any] | None:
+        p = self.where / f"{tag}.json"
+        try:
+            return json.loads(p.read_text()) if p.is_file() else None
+        except json.JSONDecodeError:
+            return None
+
+    def alive(self, tag: str) -> bool:
+        """Whether a worker of ``tag`` is running or still to start (its lock held, its process alive on this host,
+        or its Slurm job pending / running)."""
+        if worker_lock(self.run, tag).held():
+            return True
+        rec = self.record(tag)
+        if rec is None:
+            return False
+        if rec.get("launcher") == "slurm":
+            return self._slurm_state(str(rec["job"])) in ALIVE_SLURM
+        if rec.get("host") != socket.gethostname():
+            return False
+        try:
+            os.kill(int(rec["pid"]), 0)
+        except (OSError, ValueError, KeyError):
+            return False
+        try:  # a pid taken over by another program since is not the worker
+            return "--worker-row" in Path(f"/proc/{rec['pid']}/cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            return True
+
+    @staticmethod
+    def _slurm_state(job: str) -> str | None:
+        try:
+            out = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            return "UNKNOWN"  # squeue unreachable: do not start a second worker on a guess
+        if out.returncode != 0:
+            return None  # "Invalid job id": ended long enough ago to be forgotten
+        state = out.stdout.strip().splitlines()
+        return state[0].strip() if state else None
+
+    def ensure(self, tags: list[str]) -> list[str]:
+        """Every row of ``tags`` is in, or being answered; starts a worker for each one that is neither. Returns
+        the rows still missing."""
+        missing = [t for t in tags if not self.run.row(tag_row(t)).is_file()]
+        for tag in missing:
+            if self.alive(tag):
+                continue
+            if not self.run.row(tag_row(tag)).is_file():  # the worker may have written it and ended meanwhile
+                self.start(tag)
+        return missing
+
+    def start(self, tag: str) -> None:
+        n = self.started.get(tag, 0)
+        limit = self.cfg.eval.worker_attempts
+        if n >= limit:
+            rec = self.record(tag) or {}
+            raise WorkerError(f"row {tag}: {n} evaluation worker(s) ended without writing it (last log: "
+                              f"{rec.get('log', '?')}); fix what the log says, then re-run the same command")
+        self.started[tag] = n + 1
+        self.where.mkdir(parents=True, exist_ok=True)
+        attempt = (self.record(tag) or {}).get("attempt", 0) + 1
+        log = self.run.logs / f"eval_worker.{tag}.{attempt}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        rec: dict[str, Any] = {"row": tag, "attempt": attempt, "launcher": self.cfg.eval.workers, "log": str(log),
+                               "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+        if self.cfg.eval.workers == "slurm":
+            rec["job"] = self._sbatch(tag, log)
+        else:
+            rec["pid"] = self._spawn(tag, log)
+        write_json(self.where / f"{tag}.json", rec)
+        where = f"Slurm job {rec['job']}" if "job" in rec else f"pid {rec['pid']}"
+        print(f"row {tag}: evaluation worker started ({where}, attempt {attempt}; log {log})", file=sys.stderr,
+              flush=True)
+
+    def _command(self, tag: str) -> list[str]:
+        args = ["--run", str(self.run.root), "--worker-row", tag]
+        n = self.cfg.eval.worker_nproc
+        if n == 1 or self.cfg.eval.workers == "slurm":  # srun starts the ranks of a Slurm worker
+            return [sys.executable, "-m", "mcit.cli.evaluate", *args]
+        from mcit.core.distributed import free_port
+
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), "--master_port",
+                str(free_port()), "-m", "mcit.cli.evaluate", *args]
+
+    def _spawn(self, tag: str, log: Path) -> int:
+        env = worker_env()
+        if self.cfg.eval.devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = self.cfg.eval.devices
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(self._command(tag), stdout=out, stderr=subprocess.STDOUT, env=env,
+                                    cwd=self.repo, start_new_session=True)  # outlives this launch if it must
+        return proc.pid
+
+    def _sbatch(self, tag: str, log: Path) -> str:
+        s = self.cfg.eval.slurm
+        opts = ["--parsable", "--job-name", f"mcit-eval-{tag}", "--output", str(log), "--open-mode=append",
+                "--nodes", str(s.nodes), "--ntasks-per-node", str(self.cfg.eval.worker_nproc),
+                "--chdir", str(self.repo)]
+        if s.gpus_per_node:
+            opts += [f"--gres=gpu:{s.gpus_per_node}"]
+        if s.time:
+            opts += ["--time", s.time]
+        if s.partition:
+            opts += ["--partition", s.partition]
+        script = Path(__file__).resolve().parents[2] / "pipelines" / "slurm" / "eval_row.sbatch"
+        cmd = ["sbatch", *opts, *s.sbatch_args, str(script), str(self.run.root), tag]
+        env = {k: v for k, v in worker_env().items()  # nor this job's allocation, nor its devices
+               if (not k.startswith("SLURM_") or k == "SLURM_CONF") and k != "CUDA_VISIBLE_DEVICES"}
+        env["MCIT_PYTHON"] = sys.executable
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=self.repo)
+        if out.returncode != 0:
+            raise WorkerError(f"row {tag}: sbatch refused the evaluation job ({out.stderr.strip()[:300]}); "
+                              f"command: {' '.join(cmd)}")
+        return out.stdout.strip().split(";")[0]
+
+
+RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
+                  "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "CROSS_RANK", "CROSS_SIZE",
+                  "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS")
+
+
+def worker_env() -> dict[str, str]:
+    """This process's environment without its launcher's rank variables: a worker is a job of its own (with the
+    rank 0's RANK / WORLD_SIZE it waited for ranks that never come)."""
+    return {k: v for k, v in os.environ.items() if k not in RANK_VARIABLES}
+
+
+def row_tags(plan: Any, done: int) -> list[str]:
+    """The rows a deferred run has handed over after ``done`` committed tasks."""
+    tags = [row_tag(None)] if plan.cfg.eval.zero_shot else []
+    return tags + [row_tag(t) for t in range(done)]
