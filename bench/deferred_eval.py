@@ -70,6 +70,7 @@ def main() -> int:
            "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"), "CUDA_VISIBLE_DEVICES": ""}
     cluster = None
     with tempfile.TemporaryDirectory(prefix="mcit-bench-deferred-", dir="/tmp") as tmp:
+        os.chmod(tmp, 0o711)  # munged needs o+x on every parent of the cluster's directory
         if not env.get("SLURM_CONF"):
             cluster = Path(tmp) / "slurm"
             cluster.mkdir()
