@@ -148,10 +148,10 @@ def rescore_run(root: Path, config: Path | None = None, *, judge_cfg: Any = None
         return {}
     from mcit.run.results import write_metrics
 
-    return write_metrics(results_plan(stored, run, scorers_of(run, names, done)), done)
+    return write_metrics(results_plan(stored, run, scorers_of(run, done)), done)
 
 
-def scorers_of(run: RunDir, names: list[str], done: int) -> list[str] | None:
+def scorers_of(run: RunDir, done: int) -> list[str] | None:
     """The scorers the run's last row used (None for class-incremental rows)."""
     last = read_json(run.row(done - 1))
     return last.get("scorers")
