@@ -79,6 +79,21 @@ def _rows_of(run: RunDir) -> list[tuple[Path, Path, list[int] | None]]:
     return out
 
 
+def answer_files(run: RunDir, names: list[str]) -> list[tuple[Path, dict[str, Any], list[tuple[int, Path]]]]:
+    """(row file, row, [(task index, answer file)]) of every row; a missing answer file is one line naming it."""
+    jobs = []
+    for f, answers, _ in _rows_of(run):
+        row = read_json(f)
+        idx = [names.index(n) for n in row["tasks"]] if "tasks" in row else list(range(len(row["acc"])))
+        files = [(i, answers / f"{i}.jsonl") for i in idx]
+        missing = [(i, p) for i, p in files if not p.is_file()]
+        if missing:
+            raise RescoreError(f"{run.root}: row {f.name} has no stored answers for task {names[missing[0][0]]} "
+                               f"({missing[0][1]}); rescoring needs them (mcit-evaluate --write-rows answers again)")
+        jobs.append((f, row, files))
+    return jobs
+
+
 def rescore_run(root: Path, config: Path | None = None, *, judge_cfg: Any = None) -> dict[str, Any]:
     """Rescore one run directory; returns its new metrics.json (or {} for a run with no committed row)."""
     run = RunDir(root)
@@ -91,16 +106,7 @@ def rescore_run(root: Path, config: Path | None = None, *, judge_cfg: Any = None
     cfg = swapped_config(run, config) if config is not None else stored
     names = _task_names(stored)
     swap = _own_scorers(cfg)
-    jobs = []  # (row file, row, [(task index, answers file)])
-    for f, answers, _ in _rows_of(run):
-        row = read_json(f)
-        idx = [names.index(n) for n in row["tasks"]] if "tasks" in row else list(range(len(row["acc"])))
-        files = [(i, answers / f"{i}.jsonl") for i in idx]
-        missing = [str(p) for _, p in files if not p.is_file()]
-        if missing:
-            raise RescoreError(f"{run.root}: row {f.name} has no stored answers for task {names[files[0][0]]} "
-                               f"({missing[0]}); rescoring needs them (mcit-evaluate --write-rows answers again)")
-        jobs.append((f, row, files))
+    jobs = answer_files(run, names)
     if not jobs:
         raise RescoreError(f"{run.root}: no evaluated row to rescore")
     # the previous rows and results, kept before anything is rewritten
@@ -187,13 +193,6 @@ def rescore(root: Path, config: Path | None = None) -> list[tuple[Path, dict[str
     if config is not None and len(runs) > 1:
         raise RescoreError("--config swaps the scorers of one run; give a run directory, not a sweep")
     for r in runs:  # refuse before writing anything
-        for f, answers, _ in _rows_of(RunDir(r)):
-            row = read_json(f)
-            names = _task_names(load_config(r / "config.yaml"))
-            idx = [names.index(n) for n in row["tasks"]] if "tasks" in row else range(len(row["acc"]))
-            for i in idx:
-                if not (answers / f"{i}.jsonl").is_file():
-                    raise RescoreError(f"{r}: row {f.name} has no stored answers for task {names[i]} "
-                                       f"({answers / f'{i}.jsonl'}); rescoring needs them")
+        answer_files(RunDir(r), _task_names(load_config(r / "config.yaml")))
     return [(r, rescore_run(r, config)) for r in runs]
 
