@@ -26,12 +26,13 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -qq --disable-pip-version-check torch==2.13.0
 	$(BIN)/pip install -qq --disable-pip-version-check -e . torch==2.13.0
-	PATH=$(abspath $(BIN)):$$PATH $(BIN)/python -m mcit.core.extensions  # DeepSpeed's JIT ops, built now, not at a run's start
+	PATH=$(abspath $(BIN)):$$PATH $(BIN)/python -m mcit.core.extensions --ops ShareMemCommBuilder  # DeepSpeed's all-reduce op, built now, not at a run's start
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed pyproject.toml
 	$(BIN)/pip install -qq --disable-pip-version-check -e ".[test,lmms]" torch==2.13.0
 	$(BIN)/pip install -qq --disable-pip-version-check --no-deps lmms-eval==0.7.3
+	PATH=$(abspath $(BIN)):$$PATH $(BIN)/python -m mcit.core.extensions --ops CPUAdamBuilder  # ZeRO-offload's (tests run it)
 	touch $@
 
 # Data and backbones are file targets: each is rebuilt only when the code that determines its bytes is newer
@@ -65,21 +66,16 @@ data: $(TINY_MCIT) $(TINY_LLAVA)
 
 # The main job: the MCIT sequence on 2 CPU processes with sequential prompt tuning, Fwd-Prompt, sequential
 # LoRA, O-LoRA, MoELoRA and the multi-task bound (LoRA on all tasks at once), then one comparison table whose
-# first column is the pre-trained backbone itself (the zero-shot row of the LoRA run). Six methods: with more it
-# no longer fits ten minutes on a fresh clone here.
+# first column is the pre-trained backbone itself (the zero-shot row of the LoRA run). One launch runs the six
+# sequences one after another (one launcher start); re-running it skips the finished ones and resumes the rest.
+# Six methods: with more it no longer fits ten minutes on a fresh clone here.
 demo: data
-	@for c in $(DEMO_CONFIGS); do \
-	  echo "== deepspeed --num_gpus $(NPROC) pipelines/run_task_sequence.py --config $$c"; \
-	  $(RUN) deepspeed --log_level=error --num_gpus $(NPROC) pipelines/run_task_sequence.py --config $$c || exit 1; \
-	done
+	$(RUN) deepspeed --log_level=error --num_gpus $(NPROC) pipelines/run_task_sequence.py $(foreach c,$(DEMO_CONFIGS),--config $(c))
 	$(BIN)/python -m mcit.cli.report --zero-shot-of runs/tiny_mcit_lora $(foreach c,$(DEMO_CONFIGS),runs/$(basename $(notdir $(c))))
 
 # The rest of the MCIT methods on the embedded default (after `make demo`), then one table of every MCIT run.
 demo-more: data data-cil
-	@for c in $(MORE_CONFIGS); do \
-	  echo "== deepspeed --num_gpus $(NPROC) pipelines/run_task_sequence.py --config $$c"; \
-	  $(RUN) deepspeed --log_level=error --num_gpus $(NPROC) pipelines/run_task_sequence.py --config $$c || exit 1; \
-	done
+	$(RUN) deepspeed --log_level=error --num_gpus $(NPROC) pipelines/run_task_sequence.py $(foreach c,$(MORE_CONFIGS),--config $(c))
 	$(BIN)/python -m mcit.cli.report --zero-shot-of runs/tiny_mcit_lora \
 	  $(foreach c,$(DEMO_CONFIGS) $(MORE_CONFIGS),runs/$(basename $(notdir $(c))))
 
@@ -104,10 +100,7 @@ study-mcit: data data-cil
 data-cil: $(DIGITS) $(TINY_VIT) $(TINY_CLIP)
 
 demo-cil: data-cil
-	@for c in $(CIL_CONFIGS); do \
-	  echo "== deepspeed --num_gpus $(NPROC) pipelines/run_task_sequence.py --config $$c"; \
-	  $(RUN) deepspeed --log_level=error --num_gpus $(NPROC) pipelines/run_task_sequence.py --config $$c || exit 1; \
-	done
+	$(RUN) deepspeed --log_level=error --num_gpus $(NPROC) pipelines/run_task_sequence.py $(foreach c,$(CIL_CONFIGS),--config $(c))
 	$(BIN)/python -m mcit.cli.report $(foreach c,$(CIL_CONFIGS),runs/$(basename $(notdir $(c))))
 
 # The CIL comparison judged on means: every embedded CIL method over CIL_SEEDS (3 seeds: 48 runs of 2 CPU ranks,

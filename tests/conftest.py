@@ -280,6 +280,24 @@ def launch(args: list[str], launcher: str = "python", nproc: int = 1, timeout: i
                           timeout=timeout)
 
 
+def launch_sequences(configs: list[Path], nproc: int = 2, timeout: int = 900, **env: str
+                     ) -> subprocess.CompletedProcess:
+    """Several whole sequences in one launch (``run_task_sequence.py --config A --config B ...``): one launcher start
+    for all of them, as ``make demo`` runs its six."""
+    args = [a for c in configs for a in ("--config", str(c))]
+    return launch(args, launcher="deepspeed" if nproc > 1 else "python", nproc=nproc, timeout=timeout, **env)
+
+
+def launch_failure(res: subprocess.CompletedProcess, run_dirs: list[Path], lines: int = 40) -> str:
+    """What a failed launch said: its stderr's end and every rank log's last lines of the runs it touched (a rank
+    that failed first shows its own error there, not the collective timeout its peer met afterwards)."""
+    out = [f"exit {res.returncode}", res.stderr[-3000:]]
+    for run in run_dirs:
+        for log in sorted((run / "logs").glob("rank*.log")):
+            out += [f"--- {log}", "\n".join(log.read_text(errors="replace").splitlines()[-lines:])]
+    return "\n".join(out)
+
+
 def run_main(args: list[str], entry: str = "run_task_sequence") -> subprocess.CompletedProcess:
     """The program behind ``pipelines/<entry>.py`` (``mcit/cli/``) on ARGS through its ``main(argv)`` in this
     process, for runs that must stop in pre-flight (before any process group exists); exit status and output

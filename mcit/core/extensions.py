@@ -134,7 +134,10 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     ap = argparse.ArgumentParser(description="Build DeepSpeed's JIT ops into TORCH_EXTENSIONS_DIR ahead of the runs.")
-    ap.parse_args(argv)
+    ap.add_argument("--ops", nargs="+", default=None, metavar="BUILDER",
+                    help="only these op builders (e.g. ShareMemCommBuilder: `make install`, which the demo's runs "
+                         "need; `make install-test` adds CPUAdamBuilder); default: every op a run can need here")
+    args = ap.parse_args(argv)
     from mcit.core.distributed import default_accelerator
 
     default_accelerator()
@@ -142,8 +145,10 @@ def main(argv: list[str] | None = None) -> int:
 
     root = extensions_root()
     # the all-reduce of every CPU run, CPU Adam of ZeRO-offload; the fused Adam where a GPU runs it (on CPUs only a
-    # DeepSpeed JSON that names Adam without offload wants it: built then, under the lock, in about 90 s)
-    names = ["ShareMemCommBuilder", "CPUAdamBuilder", *(["FusedAdamBuilder"] if torch.cuda.is_available() else [])]
+    # DeepSpeed JSON that names Adam without offload wants it: built then, under the lock, in about 90 s). An op
+    # not built here is built by the first run that needs it, under the lock (CPU Adam: about 40 s on 2 cores).
+    names = args.ops or ["ShareMemCommBuilder", "CPUAdamBuilder",
+                         *(["FusedAdamBuilder"] if torch.cuda.is_available() else [])]
     built, failed, skipped = [], [], []
     for name in names:
         t0 = time.time()

@@ -142,6 +142,18 @@ def build_case(case: str, assets, work: Path, cfg: Path, done: Path, open_dir: P
         return run(["train.epochs=[1,"], "override 'train.epochs=[1,': value is not valid YAML")
     if case == "override_into_a_value":
         return run(["train.lr.value=1"], "'lr' is not a section")
+    # -- several configs in one launch: every one checked before any trains ----------------------------------
+    if case == "second_config_bad":  # the resumable run is first: it must stay as it is
+        resumable = _config_variant(cfg, work, "open.yaml", lambda d: d.update(run_dir=str(open_dir)))
+        bad = _text_file(work, "second_broken.yaml", "train: {epochs: [1,\n")
+        return Bad("run_task_sequence", ["--config", str(resumable), "--config", str(bad)], str(bad),
+                   also=["not valid YAML"])
+    if case == "two_configs_one_run_dir":
+        return Bad("run_task_sequence", ["--config", str(cfg), "--config", str(cfg), *over],
+                   f"its run directory {open_dir} is also {cfg}'s")
+    if case == "run_dir_flag_with_two_configs":
+        return Bad("run_task_sequence", ["--config", str(cfg), "--config", str(cfg), "--run-dir", str(work / "x")],
+                   "--run-dir names one run directory; 2 configs were given", absent=work / "x")
     # -- DeepSpeed JSONs -------------------------------------------------------------------------------------
     if case == "deepspeed_stage_7":
         ds = _text_file(work, "ds_stage7.json", json.dumps({"zero_optimization": {"stage": 7}}))
@@ -354,6 +366,7 @@ def _drop_member(tar_path: Path, ext: str, replace: bytes | None = None) -> None
 
 
 CASES = [
+    "second_config_bad", "two_configs_one_run_dir", "run_dir_flag_with_two_configs",
     "unknown_key", "misspelt_section", "type_epochs", "range_epochs", "range_lr", "choice_optimizer", "unknown_method",
     "unknown_method_key", "l2p_top_k", "dualprompt_layer", "coda_pool", "repeated_layers", "empty_tasks",
     "unknown_transform", "negative_workers",

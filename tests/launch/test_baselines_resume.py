@@ -1,7 +1,7 @@
 """The classic baselines resume exactly: Replay (its buffer), EWC (its Fisher diagonal and anchor) and LwF (its
 teacher) each killed by SIGKILL on every rank after optimizer step 3 of task 1 (checkpoint_every 2: the re-run
 resumes from step 2) end with the uninterrupted run's accuracy matrix and answers. The resumed and the uninterrupted
-runs share one launch (tests/launch/workers/family_sequences.py), after one killed launch per method."""
+runs share one launch (``run_task_sequence.py`` with one ``--config`` per run), after one killed launch per method."""
 
 from __future__ import annotations
 
@@ -10,11 +10,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import FAULTY, ROOT, launch, mcit_config
+from conftest import FAULTY, launch, launch_failure, launch_sequences, mcit_config
 
 from mcit.core.registry import METHODS
 
-WORKER = ROOT / "tests" / "launch" / "workers" / "family_sequences.py"
 LORA = {"name": "lora", "r": 2, "alpha": 4, "train_projector": False}
 BASELINES = {"replay": ({"replay": 6}, LORA),
              "ewc": ({}, {"name": "ewc", "r": 2, "alpha": 4, "train_projector": False}),
@@ -36,13 +35,6 @@ def _configs(assets: dict[str, Path], tmp: Path, prefix: str) -> dict[str, Path]
     return out
 
 
-def _ok(res, configs: list[Path]) -> None:
-    reports = [json.loads(ln) for ln in res.stdout.splitlines() if ln.startswith('{"config"')]
-    failed = {Path(r["config"]).stem: r["error"] for r in reports if r["error"]}
-    assert res.returncode == 0 and not failed and len(reports) == len(configs), (failed, res.stderr[-3000:])
-    assert {Path(r["config"]) for r in reports} == set(configs)
-
-
 def test_replay_ewc_and_lwf_killed_mid_task_resume_to_the_uninterrupted_matrix(mcit_assets, tmp_path):
     whole = _configs(mcit_assets, tmp_path, "whole")
     killed = _configs(mcit_assets, tmp_path, "killed")
@@ -56,7 +48,8 @@ def test_replay_ewc_and_lwf_killed_mid_task_resume_to_the_uninterrupted_matrix(m
         assert "0/commit" in state["completed"] and "1/train" not in state["completed"], name
         assert json.loads((run / "checkpoints/task_1/steps/committed.json").read_text())["global_step"] == 2, name
     both = [*killed.values(), *whole.values()]  # the resumed runs, then the uninterrupted ones: one launch
-    _ok(launch([str(c) for c in both], launcher="deepspeed", nproc=2, entry=WORKER, timeout=900), both)
+    res = launch_sequences(both)
+    assert res.returncode == 0, launch_failure(res, [tmp_path / "runs" / c.stem for c in both])
     for name in whole:
         a, b = tmp_path / "runs" / f"whole_{name}", tmp_path / "runs" / f"killed_{name}"
         got, want = (json.loads((r / "metrics.json").read_text()) for r in (b, a))

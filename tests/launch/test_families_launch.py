@@ -1,7 +1,7 @@
 """Every multimodal LLM family (``MLLMBackbone.families()``) under the DeepSpeed launcher: prompt tuning, Fwd-Prompt
 and LoRA (with its trainable projector) each run a whole 2-task sequence on the family's tiny checkpoint on 2 CPU
 ranks, end to end (pre-flight, train, subspace, eval, commit). One launch runs all of them
-(tests/launch/workers/family_sequences.py): 3 x families runs for one launcher start."""
+(``run_task_sequence.py`` with one ``--config`` per run): 3 x families runs for one launcher start."""
 
 from __future__ import annotations
 
@@ -11,11 +11,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT, built_once, launch, mcit_config
+from conftest import built_once, launch_failure, launch_sequences, mcit_config, run_main
 
 from mcit.models.mllm import MLLMBackbone
 
-WORKER = ROOT / "tests" / "launch" / "workers" / "family_sequences.py"
 METHODS = {"prompt_tuning": {"prompt_length": 2}, "fwd_prompt": {"pool_size": 4, "top_n": 2, "prompt_length": 2},
            "lora": {"r": 2, "alpha": 4, "train_projector": True, "projector_lr": 0.01}}
 
@@ -57,10 +56,12 @@ def test_each_family_runs_prompt_tuning_fwd_prompt_and_lora_sequences_under_deep
             cfg["method"] = {"name": method, **params}  # this method's parameters only
             path.write_text(yaml.safe_dump(cfg))
             configs.append(path)
-    res = launch([str(c) for c in configs], launcher="deepspeed", nproc=2, entry=WORKER, timeout=1200)
-    reports = [json.loads(ln) for ln in res.stdout.splitlines() if ln.startswith('{"config"')]
-    failed = {Path(r["config"]).stem: r["error"] for r in reports if r["error"]}
-    assert res.returncode == 0 and not failed and len(reports) == len(configs), (failed, res.stderr[-3000:])
+    res = launch_sequences(configs, timeout=1200)
+    runs = [tmp_path / "runs" / c.stem for c in configs]
+    assert res.returncode == 0, launch_failure(res, runs)
+    # the same command again: every run finished, each prints its summary, nothing starts
+    again = run_main([a for c in configs for a in ("--config", str(c))])
+    assert again.returncode == 0 and again.stdout.count("run already finished") == len(configs), again.stderr
     for kind in kinds:
         for method in METHODS:
             run = tmp_path / "runs" / f"{kind}_{method}"

@@ -63,7 +63,8 @@ def _talk_and_log(lib, tmp_path) -> None:
 
 
 def test_a_second_run_in_the_same_process_logs_to_its_own_file(tmp_path):
-    """Several runs in one process (tests/launch/workers/family_sequences.py): each run's log gets its own lines."""
+    """Several runs in one process (``run_task_sequence.py --config A --config B``): each run's log gets its own
+    lines."""
     first = console.log_to(tmp_path / "a" / "rank0.log")
     logging.getLogger("transformers.x").warning("said during run a")
     second = console.log_to(tmp_path / "b" / "rank0.log")
