@@ -3,10 +3,10 @@
 
 The same config twice through ``pipelines/slurm/one_node.sbatch`` (one rank, ``MCIT_GPUS_PER_NODE``, on node n1):
 inline (``eval.schedule: inline``: every row answered in the run's own eval stage), then deferred
-(``eval.schedule: deferred``, ``eval.workers: slurm``: each committed checkpoint's row answered by a job on node
-n2 while the run trains on). Wall = submission to the end of the run's job (the deferred run's job ends when
-every row is in). Prints both walls, the ratio (target <= 0.75 for the embedded 4-task MCIT sequence: its rows
-cost about as much as its training) and whether the two runs' matrices, zero-shot rows and metrics are equal
+(``eval.schedule: deferred``, ``eval.workers: slurm``: each committed checkpoint's row answered on node n2 while
+the run trains on, by one job that follows the commits, ``eval.worker_follow``). Wall = submission to the end of
+the run's job (the deferred run's job ends when every row is in). Prints both walls, the ratio (target <= 0.75
+for the embedded 4-task MCIT sequence: its rows cost about as much as its training) and whether the two runs' matrices, zero-shot rows and metrics are equal
 (the bench stops if not).
 
     python bench/deferred_eval.py [--config configs/tiny_mcit_lora.yaml] [--out DIR] [key=value ...]
@@ -95,7 +95,7 @@ def main() -> int:
                   f"evaluation jobs on n2")
             print(f"inline   wall {inline:7.1f} s  final_avg_acc {a['final_avg_acc']:.2f}")
             print(f"deferred wall {deferred:7.1f} s  final_avg_acc {b['final_avg_acc']:.2f}  "
-                  f"({sum(j['attempt'] for j in jobs)} evaluation job(s))")
+                  f"({len({j['job'] for j in jobs})} evaluation job(s) for {len(jobs)} rows)")
             print(f"wall(deferred) / wall(inline) = {deferred / inline:.3f} (target <= 0.75); matrices, zero-shot "
                   f"rows and metrics {'equal' if same else 'DIFFER'}")
             return 0 if same else 1

@@ -65,6 +65,8 @@ def _main(argv: list[str] | None) -> int:
     ap.add_argument("--worker-row", default=None, metavar="ROW",
                     help="a deferred run's evaluation worker (started by the run): its row ROW (zero_shot or "
                          "after_task_<t>), written as the run's own")
+    ap.add_argument("--follow", action="store_true",
+                    help="--worker-row: then the rows committed after it, as they come, while the run's launch lives")
     ap.add_argument("overrides", nargs="*", metavar="eval.KEY=VALUE",
                     help="evaluation settings for this pass (e.g. eval.max_new_tokens=32): cells whose key they "
                          "change are answered again")
@@ -113,7 +115,7 @@ def _main(argv: list[str] | None) -> int:
         if not state.is_file():
             return common.fail(f"--worker-row {args.worker_row}: {state} does not exist (not committed yet?)")
         try:
-            worker_row(plan, args.worker_row)
+            worker_row(plan, args.worker_row, follow=args.follow)
         except Exception as e:  # noqa: BLE001 - mapped to one line and an exit code (mcit.cli.common)
             return common.after_launch(e, plan.run_dir)
         return 0

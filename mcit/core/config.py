@@ -265,6 +265,11 @@ class EvalConfig(_Strict):
     devices: str | None = Field(None, description="deferred, local workers: CUDA_VISIBLE_DEVICES of the workers (the "
                                                   "devices kept for evaluation; the run's launcher gets the others)")
     worker_nproc: int = Field(1, ge=1, description="deferred: ranks of each evaluation worker")
+    worker_follow: bool = Field(
+        True, description="deferred: a worker goes on with the rows committed after its own while the run's launch "
+                          "lives (one start and one model load for all of them; a Slurm worker's eval.slurm.time must "
+                          "then cover the run), and the run starts another only when none is alive; false: one "
+                          "worker per row")
     worker_attempts: int = Field(3, ge=1, description="deferred: starts of a row's worker per launch before the run "
                                                       "stops naming the worker's log")
     poll_s: float = Field(2.0, gt=0, description="deferred: seconds between two looks at the workers' rows")

@@ -2,9 +2,11 @@
 while the run trains the next task.
 
 The pipeline hands a row over once its method state is on disk (the zero-shot state at the ``zero_shot`` stage,
-the export of task t at ``t/commit``) and goes on. A worker is ``mcit-evaluate --run R --worker-row TAG``: a
-process on this machine (``eval.workers: local``, on the devices of ``eval.devices``) or one Slurm job per row
-(``eval.workers: slurm``, resources from ``eval.slurm``). It holds an ``flock`` on ``eval/workers/<row>.lock``
+the export of task t at ``t/commit``) and goes on. A worker is ``mcit-evaluate --run R --worker-row TAG [--follow]``: a
+process on this machine (``eval.workers: local``, on the devices of ``eval.devices``) or a Slurm job
+(``eval.workers: slurm``, resources from ``eval.slurm``). By default (``eval.worker_follow``) a worker goes on with
+the rows committed after its own while the run's launch lives, so a run pays one worker start and one model load,
+not one per row; the run starts a worker only when none is alive. It holds an ``flock`` on ``eval/workers/<row>.lock``
 while it lives and writes the run's own row file (the row, its answers, its cells) and nothing else; the run
 itself writes metrics.json and report.md once every row is in, then marks itself finished. A row's record
 (``eval/workers/<row>.json``: launcher, pid or job id, attempt) lets the next launch of the same command tell a
@@ -93,9 +95,16 @@ class Workers:
         return state[0].strip() if state else None
 
     def ensure(self, tags: list[str]) -> list[str]:
-        """Every row of ``tags`` is in, or being answered; starts a worker for each one that is neither. Returns
-        the rows still missing."""
+        """Every row of ``tags`` is in, or being answered; starts a worker for each one that is neither (following
+        workers, ``eval.worker_follow``: one for the first missing row when no worker is alive; it goes on with the
+        rest). Returns the rows still missing."""
         missing = [t for t in tags if not self.run.row(tag_row(t)).is_file()]
+        if self.cfg.eval.worker_follow:
+            if missing and not any(self.alive(t) for t in tags):
+                first = next((t for t in missing if not self.run.row(tag_row(t)).is_file()), None)
+                if first is not None:  # (a worker may have written them all and ended meanwhile)
+                    self.start(first)
+            return missing
         for tag in missing:
             if self.alive(tag):
                 continue
@@ -127,7 +136,8 @@ class Workers:
               flush=True)
 
     def _command(self, tag: str) -> list[str]:
-        args = ["--run", str(self.run.root), "--worker-row", tag]
+        args = ["--run", str(self.run.root), "--worker-row", tag,
+                *(["--follow"] if self.cfg.eval.worker_follow else [])]
         n = self.cfg.eval.worker_nproc
         if n == 1 or self.cfg.eval.workers == "slurm":  # srun starts the ranks of a Slurm worker
             return [sys.executable, "-m", "mcit.cli.evaluate", *args]
@@ -157,7 +167,8 @@ class Workers:
         if s.partition:
             opts += ["--partition", s.partition]
         script = Path(__file__).resolve().parents[2] / "pipelines" / "slurm" / "eval_row.sbatch"
-        cmd = ["sbatch", *opts, *s.sbatch_args, str(script), str(self.run.root), tag]
+        cmd = ["sbatch", *opts, *s.sbatch_args, str(script), str(self.run.root), tag,
+               *(["--follow"] if self.cfg.eval.worker_follow else [])]
         env = {k: v for k, v in worker_env().items()  # nor this job's allocation, nor its devices
                if (not k.startswith("SLURM_") or k == "SLURM_CONF") and k != "CUDA_VISIBLE_DEVICES"}
         env["MCIT_PYTHON"] = sys.executable
@@ -183,3 +194,51 @@ def row_tags(plan: Any, done: int) -> list[str]:
     """The rows a deferred run has handed over after ``done`` committed tasks."""
     tags = [row_tag(None)] if plan.cfg.eval.zero_shot else []
     return tags + [row_tag(t) for t in range(done)]
+
+
+def committed_rows(plan: Any, completed: list[str]) -> list[str]:
+    """The rows whose method state is committed, given a state file's completed stages."""
+    return ((["zero_shot"] if "zero_shot" in completed else [])
+            + [row_tag(t) for t in range(plan.num_stages) if f"{t}/commit" in completed])
+
+
+def next_row(plan: Any, poll_s: float) -> str | None:
+    """A following worker's next row (rank 0): the first committed row that is neither in nor held by another
+    worker, waiting for the next commit while the run's launch lives (it holds ``run.lock``). None once every row
+    is in, the run is finished, or the launch is gone with nothing committed left (the next launch starts a worker
+    of its own)."""
+    run = plan.run
+    every = row_tags(plan, plan.num_stages)
+    while True:
+        state = run.read_state() or {}
+        for tag in committed_rows(plan, state.get("completed", [])):
+            if not run.row(tag_row(tag)).is_file() and not worker_lock(run, tag).held():
+                return tag
+        if state.get("finished") or all(run.row(tag_row(t)).is_file() for t in every):
+            return None
+        if not run.lock.held():
+            return None
+        time.sleep(poll_s)
+
+
+def take_over(run: RunDir, tag: str, first: str, log: Path | None) -> None:
+    """The record of a row a following worker took on after ``first``: this process (or this Slurm job) answers
+    it, so the run's launch sees it alive and starts no other."""
+    where = run.root / "eval" / "workers"
+
+    def read(name: str) -> dict[str, Any]:
+        try:
+            return json.loads((where / f"{name}.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            return {}
+
+    old = read(tag)
+    log = Path(read(first)["log"]) if read(first).get("log") else log  # the log its starter gave it (its output)
+    job = os.environ.get("SLURM_JOB_ID")
+    rec: dict[str, Any] = {"row": tag, "attempt": int(old.get("attempt", 0)) + 1,
+                           "launcher": "slurm" if job else "local", "log": str(log) if log else None,
+                           "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+                           "followed": first}
+    rec.update({"job": job} if job else {"pid": os.getpid()})
+    where.mkdir(parents=True, exist_ok=True)
+    write_json(where / f"{tag}.json", rec)

@@ -20,43 +20,57 @@ from mcit.run.plan import Plan
 from mcit.run.results import write_metrics
 
 
-def worker_row(plan: Plan, tag: str) -> bool:
-    """A deferred run's evaluation worker (``mcit-evaluate --worker-row TAG``, started by the run: mcit.run.deferred):
-    the row ``tag`` of the run itself, as its inline eval stage would write it (the row, its answers, its cells),
-    under the row's worker lock. False when another worker holds the lock or the row is already in."""
+def worker_row(plan: Plan, tag: str, follow: bool = False) -> bool:
+    """A deferred run's evaluation worker (``mcit-evaluate --worker-row TAG [--follow]``, started by the run:
+    mcit.run.deferred): the row ``tag`` of the run itself, as its inline eval stage would write it (the row, its
+    answers, its cells), under the row's worker lock; ``follow``: then every row committed after it, as they come,
+    while the run's launch lives (``deferred.next_row``), on the model loaded once. False when it answered none
+    (another worker held the lock, or the row was in)."""
     from mcit.core.rundir import RunDirLock
-    from mcit.run.deferred import tag_row
+    from mcit.run.deferred import next_row, tag_row, take_over
 
     run = plan.run
-    k = tag_row(tag)
-    console.log_to(run.logs / f"eval_worker.{tag}.rank{os.environ.get('RANK', '0')}.log")
+    log = console.log_to(run.logs / f"eval_worker.{tag}.rank{os.environ.get('RANK', '0')}.log")
     with console.stdout_to_log("deepspeed"):
         dist.init()
-    lock = RunDirLock(run.root / "eval" / "workers" / f"{tag}.lock")
-    holder = lock.acquire() if dist.is_main() else None
-    if not dist.all_ok(holder is None) or run.row(k).is_file():
-        if dist.is_main():
-            print(f"row {tag}: " + (f"another worker evaluates it ({holder})" if holder else "already in"))
-        lock.release()
-        dist.shutdown()
-        return False
     host = MethodHost(plan)
+    first, answered = tag, 0
+    current: str | None = tag
+    while current is not None:
+        k = tag_row(current)
+        lock = RunDirLock(run.root / "eval" / "workers" / f"{current}.lock")
+        holder = lock.acquire() if dist.is_main() else None
+        if not dist.all_ok(holder is None) or run.row(k).is_file():
+            if dist.is_main():
+                print(f"row {current}: " + (f"another worker evaluates it ({holder})" if holder else "already in"),
+                      flush=True)
+        else:
+            if current != first:
+                dist.on_main(lambda c=current: take_over(run, c, first, log))
+            row = _answer_row(host, k)
+            dist.on_main(lambda k=k, row=row: write_json(run.row(k), row))
+            answered += 1
+            if dist.is_main():
+                print(f"row {current}: " + " ".join(f"{a:.2f}" for a in row["acc"]), flush=True)
+        lock.release()
+        current = dist.broadcast_object(next_row(plan, plan.cfg.eval.poll_s) if follow and dist.is_main() else None)
+    shutdown_workers()
+    dist.shutdown()
+    return answered > 0
+
+
+def _answer_row(host: MethodHost, k: int | None) -> dict:
+    """The row after task ``k`` (None: the zero-shot row) from the run's committed state, as its eval stage."""
+    run = host.plan.run
     if k is None:
         host.load(load_state(run.zero_shot_state))
         with host.zero_shot():
-            row = evaluate_row(host, trained=0, answers_dir=run.answers(None), desc="zero-shot eval")
-    else:
-        host.load(load_state(run.task_state(k)))
-        host.enter_eval(k)
-        row = evaluate_row(host, trained=k + 1, answers_dir=run.answers(k), desc=f"task {k} eval")
-        row["first_task_loss"] = first_task_loss(host)
-    dist.on_main(lambda: write_json(run.row(k), row))
-    if dist.is_main():
-        print(f"row {tag}: " + " ".join(f"{a:.2f}" for a in row["acc"]))
-    lock.release()
-    shutdown_workers()
-    dist.shutdown()
-    return True
+            return evaluate_row(host, trained=0, answers_dir=run.answers(None), desc="zero-shot eval")
+    host.load(load_state(run.task_state(k)))
+    host.enter_eval(k)
+    row = evaluate_row(host, trained=k + 1, answers_dir=run.answers(k), desc=f"task {k} eval")
+    row["first_task_loss"] = first_task_loss(host)
+    return row
 
 
 def evaluate_checkpoints(plan: Plan, ks: list[int], tasks: list[int], *, zero_shot: bool,

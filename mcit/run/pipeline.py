@@ -202,9 +202,9 @@ class Pipeline:
     # -- deferred evaluation ----------------------------------------------------------------------------
     def _committed_rows(self) -> list[str]:
         """The rows whose method state is committed: the zero-shot row, and the row after each committed task."""
-        done = self.state["completed"]
-        return ((["zero_shot"] if "zero_shot" in done else [])
-                + [f"after_task_{t}" for t in range(self.plan.num_stages) if f"{t}/commit" in done])
+        from mcit.run.deferred import committed_rows
+
+        return committed_rows(self.plan, self.state["completed"])
 
     def _hand_off(self) -> list[str]:
         """Rank 0 starts a worker for every committed row that is neither in nor being answered; every rank gets

@@ -510,11 +510,11 @@ def _wait_for_any(marker: Path, timeout: float = 180) -> None:
 def test_one_live_launch_per_run_dir_and_a_killed_one_leaves_no_lock(assets, work, reference_run):
     """A second 2-rank launch on a run directory in use stops at once naming the first (its pid); the first
     finishes with the uninterrupted run's matrix. The first evaluates deferred (``eval.schedule: deferred``, local
-    workers): its rows are answered by worker processes beside the training, the zero-shot row while task 0 still
-    trains, and the run ends once they are in. After a SIGKILL of every process of a launch -- during the
-    process-group set-up, before the config is written, while training, inside DeepSpeed's op load with torch's
-    build lock taken -- the same command takes the directory over with no manual step (a stale build lock removed
-    and named) and ends with the same matrix."""
+    workers): its rows are answered by one worker process beside the training (it follows the commits), the
+    zero-shot row while task 0 still trains, and the run ends once they are in. After a SIGKILL of every process of
+    a launch -- during the process-group set-up, before the config is written, while training, inside DeepSpeed's
+    op load with torch's build lock taken -- the same command takes the directory over with no manual step (a stale
+    build lock removed and named) and ends with the same matrix."""
     import os
     import signal
     import time
@@ -545,9 +545,13 @@ def test_one_live_launch_per_run_dir_and_a_killed_one_leaves_no_lock(assets, wor
     events = [json.loads(x) for x in (run_dir / "logs" / "train.jsonl").read_text().splitlines()]
     trained = next(e["time"] for e in events if e.get("stage") == "0/train")
     assert (run_dir / "eval" / "zero_shot.json").stat().st_mtime < trained  # answered while task 0 trained
-    for tag in ("zero_shot", "after_task_0", "after_task_1", "after_task_2"):
-        rec = json.loads((run_dir / "eval" / "workers" / f"{tag}.json").read_text())
+    recs = {tag: json.loads((run_dir / "eval" / "workers" / f"{tag}.json").read_text())
+            for tag in ("zero_shot", "after_task_0", "after_task_1", "after_task_2")}
+    for tag, rec in recs.items():
         assert rec["launcher"] == "local" and rec["attempt"] == 1 and f"row {tag}:" in Path(rec["log"]).read_text()
+    # one worker answered every row as it came (eval.worker_follow): one start, one model load
+    assert len({rec["pid"] for rec in recs.values()}) == 1
+    assert [rec.get("followed") for rec in recs.values()] == [None, "zero_shot", "zero_shot", "zero_shot"]
 
     # The same command after a SIGKILL of the whole launch at each moment of start-up and while training; every
     # start finds what the killed one left (logs/, run.lock, torch's build lock) and goes on; the last finishes

@@ -159,11 +159,12 @@ def test_multi_node_script_on_two_nodes_matches_one_node(slurm, slurm_config, on
 
 def test_usr1_mid_training_checkpoints_requeues_and_resumes(slurm, assets, slurm_config, one_node_run):
     """The run (node n1, 2 ranks) evaluates deferred (``eval.schedule: deferred``, Slurm workers pinned to n2 with
-    ``eval.slurm.sbatch_args``): each committed checkpoint's row goes to an evaluation job on n2 while the run trains
-    on. Mid-training it gets USR1, commits a step checkpoint and requeues itself; the zero-shot row's evaluation job
-    is cancelled at the same moment. The requeued job (the same command, launched again) starts that row again
-    and ends with the inline one-node run's matrix and zero-shot row (and its first-task losses, up to the order of
-    a float sum)."""
+    ``eval.slurm.sbatch_args``): an evaluation job on n2 answers each committed checkpoint's row while the run
+    trains on, following the commits. Mid-training the run gets USR1, commits a step checkpoint and requeues
+    itself; the evaluation job is cancelled at the same moment, in the zero-shot row. The requeued job (the same
+    command, launched again) submits one job again, which answers that row and follows on to the others, and ends
+    with the inline one-node run's matrix and zero-shot row (and its first-task losses, up to the order of a float
+    sum)."""
     _, work = slurm_config
     run_dir = work / "runs" / "preempted"
     cfg = tiny_config(assets, work, "preempted", data={"tasks": ["task0", "task1"]},
@@ -207,10 +208,12 @@ def test_usr1_mid_training_checkpoints_requeues_and_resumes(slurm, assets, slurm
     trained = next(e["time"] for e in events if e.get("stage") == "1/train")
     started = time.mktime(time.strptime(_job(slurm, int(first))["StartTime"], "%Y-%m-%dT%H:%M:%S"))
     assert started <= trained  # the zero-shot row's job ran on n2 while the run trained on n1
-    for tag in ("zero_shot", "after_task_0", "after_task_1"):
-        rec = json.loads((run_dir / "eval" / "workers" / f"{tag}.json").read_text())
+    recs = {tag: json.loads((run_dir / "eval" / "workers" / f"{tag}.json").read_text())
+            for tag in ("zero_shot", "after_task_0", "after_task_1")}
+    for tag, rec in recs.items():
         assert _job(slurm, int(rec["job"])).get("NodeList") == "n2", rec
         assert rec["attempt"] == (2 if tag == "zero_shot" else 1), rec  # started again once, by the requeued job
+    assert len({rec["job"] for rec in recs.values()}) == 1 and rec["job"] != first  # one job followed the commits
     print(f"\n== job {job}: USR1 at task {m.group(1)} step {m.group(2)}, Restarts={info['Restarts']}, "
           f"acc_matrix {_metrics(run_dir)['acc_matrix']}\n" + "\n".join(
               line for line in log.splitlines() if line.startswith("mcit:") or "return code" in line))

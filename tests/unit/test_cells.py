@@ -135,3 +135,25 @@ def test_chunks_commit_every_chunk_size_rows_and_merge_by_key(tmp_path):
     before = cell.answers.read_text()
     cell.finish([{"key": "other"}], {"scorer": "s", "scorer_version": "v", "score_sum": 9.0, "metrics": None})
     assert cell.answers.read_text() == before and cell.info()["score_sum"] == 0.0
+
+
+def test_the_evaluation_bar_counts_the_launch_s_samples_and_never_passes_its_total(monkeypatch):
+    """Rank 0's answers stand for every rank's (x world size), capped at the total: the ranks' shares differ by up
+    to a batch, and the bar once showed 2560/? for 2400 samples. At the gather it shows the whole pass."""
+    import io
+
+    from mcit.core import distributed as dist
+    from mcit.core.progress import LineProgress
+    from mcit.run import evaluation as E
+
+    monkeypatch.setattr(dist, "world_size", lambda: 2)
+    bar = LineProgress(2400, "eval", "sample", file=io.StringIO())
+    seen = []
+    for _ in range(20):  # rank 0's part: 20 batches of 64 (1280 > 1200, its share)
+        E._advance(bar, 64)
+        seen.append(bar.n)
+    assert seen[-1] == 2400 and max(seen) == 2400 and seen[:2] == [128, 256]
+    bar = LineProgress(2400, "eval", "sample", file=io.StringIO())
+    E._advance(bar, 1100)
+    E._gather([], None, bar)
+    assert bar.n == 2400
