@@ -6,7 +6,8 @@ inline (``eval.schedule: inline``: every row answered in the run's own eval stag
 (``eval.schedule: deferred``, ``eval.workers: slurm``: each committed checkpoint's row answered on node n2 while
 the run trains on, by one job that follows the commits, ``eval.worker_follow``). Wall = submission to the end of
 the run's job (the deferred run's job ends when every row is in). Prints both walls, the ratio (target <= 0.75
-for the embedded 4-task MCIT sequence: its rows cost about as much as its training) and whether the two runs' matrices, zero-shot rows and metrics are equal
+for the embedded 4-task MCIT sequence: its rows cost about as much as its training) and whether the two runs'
+matrices, zero-shot rows and metrics are equal
 (the bench stops if not).
 
     python bench/deferred_eval.py [--config configs/tiny_mcit_lora.yaml] [--out DIR] [key=value ...]
