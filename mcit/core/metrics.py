@@ -158,15 +158,45 @@ def general_rows(eval_dir: Path) -> list[tuple[str, dict[str, dict[str, float]]]
     return [(tag, res) for _, tag, res in sorted(found)]
 
 
-def general_markdown(rows: list[tuple[str, dict[str, dict[str, float]]]]) -> str:
-    """report.md's general-ability table: one row per evaluated state, one column per task and metric."""
+def general_limits(eval_dir: Path) -> dict[str, dict[str, int]]:
+    """Per general-ability row, the result names (tasks and their subtasks) that were answered with a sample limit
+    (lmms-eval's first N questions), and N."""
+    import json
+
+    out: dict[str, dict[str, int]] = {}
+    where = eval_dir / "general"
+    for f in sorted(where.glob("*.json")) if where.is_dir() else []:
+        d = json.loads(f.read_text())
+        limits = d.get("limits") or {t: d.get("limit") for t in d.get("tasks") or []}
+        cells = d.get("cells") or {}
+        for task, n in limits.items():
+            if n is not None:
+                for name in {task, *(cells.get(task) or {}).get("names", [])}:
+                    out.setdefault(f.stem, {})[name] = int(n)
+    return out
+
+
+def general_markdown(rows: list[tuple[str, dict[str, dict[str, float]]]],
+                     limits: dict[str, dict[str, int]] | None = None) -> str:
+    """report.md's general-ability table: one row per evaluated state, one column per task and metric; a number
+    answered on the first N questions only (``--lmms-limit``) is marked, with N, under the table."""
     if not rows:
         return ""
+    limits = limits or {}
     cols = sorted({(t, m) for _, res in rows for t, ms in res.items() for m in ms})
     head = "| row | " + " | ".join(f"{t} {m}" for t, m in cols) + " |\n|---|" + "---|" * len(cols) + "\n"
-    body = "".join(f"| {tag.replace('_', ' ')} | "
-                   + " | ".join(f"{res[t][m]:.4g}" if t in res and m in res[t] else "n/a" for t, m in cols)
-                   + " |\n" for tag, res in rows)
+
+    def cell(tag: str, res: dict, t: str, m: str) -> str:
+        if t not in res or m not in res[t]:
+            return "n/a"
+        return f"{res[t][m]:.4g}" + (" †" if t in limits.get(tag, {}) else "")
+
+    body = "".join(f"| {tag.replace('_', ' ')} | " + " | ".join(cell(tag, res, t, m) for t, m in cols) + " |\n"
+                   for tag, res in rows)
+    marked = [f"{tag.replace('_', ' ')}: " + ", ".join(f"{t} (first {n})" for t, n in sorted(limits[tag].items()))
+              for tag, _ in rows if limits.get(tag)]
+    note = ("\n† answered on the first N questions only (`--lmms-limit`), not comparable with a full pass: "
+            + "; ".join(marked) + ".\n") if marked else ""
     return ("\n## General ability (lmms-eval)\n\nThe base model's general ability through the sequence: lmms-eval's "
             "numbers (its metrics' own scale) for the zero-shot state and after each evaluated task "
-            "(`mcit-evaluate --lmms-eval`).\n\n" + head + body)
+            "(`mcit-evaluate --lmms-eval`).\n\n" + head + body + note)

@@ -68,7 +68,7 @@ def split_digest(split: Any) -> str:
     return _sha(parts)
 
 
-def _versions() -> dict[str, str]:
+def versions() -> dict[str, str]:
     import transformers
 
     import mcit
@@ -91,7 +91,7 @@ def cell_key(plan: Any, task: int, trained: int, state_sha: str, allowed: list[i
                                                                          "quantization", "tokenizer"}),
         "split": split_digest(plan.test[task]),
         "images": cfg.data.model_dump(mode="json", include={"train_transform", "eval_transform", "normalization"}),
-        "precision": cfg.train.precision, "versions": _versions(),
+        "precision": cfg.train.precision, "versions": versions(),
     }
     if generation:
         key["max_new_tokens"] = cfg.task_max_new_tokens(task)

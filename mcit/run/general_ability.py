@@ -154,7 +154,107 @@ def task_manager(include: list[Path], tasks: list[str]) -> Any:
     return manager
 
 
-def run_tasks(adapter: Any, tasks: list[str], manager: Any, limit: int | None) -> dict[str, Any]:
+def load_tasks(manager: Any, tasks: list[str]) -> dict[str, Any]:
+    """Each task as lmms-eval builds it (its dataset loaded: offline, from the machine's files or the datasets
+    cache), one at a time and before any model: a dataset that is not here stops in one line naming the task and
+    the dataset, not in ``RetryError[... ConnectionError]`` after the model has loaded. A leaf task maps to its
+    ``Task``, a group to its dict of subtasks."""
+    from lmms_eval.tasks import get_task_dict
+
+    out: dict[str, Any] = {}
+    for name in tasks:
+        try:
+            built = get_task_dict([name], manager)
+        except Exception as e:  # noqa: BLE001 - datasets raises many kinds here; the user needs the one line
+            try:
+                where = manager._get_config(name).get("dataset_path")
+            except Exception:  # noqa: BLE001 - the name is known (task_manager checked it); its path is a nicety
+                where = None
+            while getattr(e, "last_attempt", None) is not None and e.last_attempt.exception() is not None:
+                e = e.last_attempt.exception()  # tenacity's RetryError around the real cause
+            first = (str(e).strip().splitlines() or [""])[0][:200]
+            raise LmmsEvalError(f"lmms-eval task {name!r}: its dataset {where or '?'} could not be loaded on this "
+                                f"machine ({type(e).__name__}: {first}); the hub is off here: give the task a local "
+                                f"dataset_path / dataset_kwargs.data_files (README: a local lmms-eval task)") from None
+        out[name] = built.get(name, built)
+    return out
+
+
+def _leaves(obj: Any) -> dict[str, Any]:
+    """The leaf tasks under a loaded task or group, by name."""
+    from lmms_eval.api.task import Task
+
+    if isinstance(obj, Task):
+        return {obj.task_name if hasattr(obj, "task_name") else obj.config.task: obj}
+    if isinstance(obj, tuple):
+        return _leaves(obj[1]) if obj[1] is not None else {}
+    out: dict[str, Any] = {}
+    for key, value in (obj or {}).items():
+        if isinstance(value, Task):
+            out[str(key)] = value
+        else:
+            out.update(_leaves(value))
+    return out
+
+
+def _canonical(obj: Any) -> Any:
+    """A task config as JSON that names what decides its answers: functions by module, name and source digest."""
+    import hashlib
+    import inspect
+
+    if isinstance(obj, dict):
+        return {str(k): _canonical(v) for k, v in sorted(obj.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(obj, (list, tuple)):
+        return [_canonical(v) for v in obj]
+    if obj is None or isinstance(obj, (str, int, float, bool)):
+        return obj
+    if callable(obj):
+        try:
+            src = hashlib.sha256(inspect.getsource(obj).encode()).hexdigest()[:16]
+        except (OSError, TypeError):
+            src = None
+        return {"function": f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}",
+                "source": src}
+    return repr(obj)
+
+
+def _config_of(task: Any) -> dict[str, Any]:
+    """A task's config with its functions as the functions (``dump_config`` writes them as ``<function f at
+    0x..>``, an address that changes with every process)."""
+    import dataclasses
+
+    config = getattr(task, "config", None)
+    if dataclasses.is_dataclass(config):
+        return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    return task.dump_config()
+
+
+def task_fingerprint(obj: Any) -> dict[str, Any]:
+    """What of a loaded task (or group) decides its answers: each leaf's config and its dataset's fingerprint per
+    split (datasets' own, a digest of the files and the processing)."""
+    out = {}
+    for name, task in sorted(_leaves(obj).items()):
+        data = getattr(task, "dataset", None)
+        splits = {str(k): getattr(v, "_fingerprint", None) for k, v in data.items()} if hasattr(data, "items") else {}
+        out[name] = {"config": _canonical(_config_of(task)), "dataset": splits}
+    return out
+
+
+def general_cell_key(plan: Any, task: str, fingerprint: dict[str, Any], state_sha: str, limit: int | None,
+                     trained: int) -> dict[str, Any]:
+    """An lmms-eval task's cell key: the method state, the backbone, the task as loaded, the sample limit, the
+    generation settings and the versions (lmms-eval's among them)."""
+    from mcit.run import cells as CS
+
+    cfg = plan.cfg
+    return {"kind": "lmms-eval", "task": task, "trained": trained, "state": state_sha,
+            "backbone": plan.backbone_records(), "task_fingerprint": fingerprint, "limit": limit,
+            "batch_independent": True, "max_new_tokens": cfg.eval.max_new_tokens,
+            "method": cfg.method.params().model_dump(mode="json"), "versions": {**CS.versions(),
+                                                                                 "lmms_eval": LMMS_VERSION}}
+
+
+def run_tasks(adapter: Any, tasks: list[Any], manager: Any, limit: int | None) -> dict[str, Any]:
     """lmms-eval's simple_evaluate on ``tasks``: {"results": {task: {metric: value}}, "samples": [...]}."""
     from lmms_eval import evaluator
 
@@ -173,8 +273,9 @@ def run_tasks(adapter: Any, tasks: list[str], manager: Any, limit: int | None) -
             resp = s.get("filtered_resps") or s.get("resps")
             while isinstance(resp, list) and resp:
                 resp = resp[0]
-            samples.append({"task": t, "doc_id": s.get("doc_id"), "target": s.get("target"),
-                            "prediction": resp, **{k: _plain(v) for k, v in metrics.items()}})
+            samples.append({"key": f"{t}/{int(s.get('doc_id') or 0):09d}", "task": t, "doc_id": s.get("doc_id"),
+                            "target": s.get("target"), "prediction": resp,
+                            **{k: _plain(v) for k, v in metrics.items()}})
     return {"results": results, "samples": samples}
 
 
@@ -187,11 +288,14 @@ def _plain(v: Any) -> Any:
 
 def evaluate_general(plan: Any, ks: list[int], tasks: list[str], *, zero_shot: bool, include: list[Path],
                      limit: int | None = None) -> list[tuple[str, dict[str, Any]]]:
-    """lmms-eval's ``tasks`` on the checkpoints after tasks ``ks`` (and the zero-shot state), one process;
-    writes each row's numbers and answers under ``eval/general/`` and, on a finished run, report.md again."""
+    """lmms-eval's ``tasks`` on the checkpoints after tasks ``ks`` (and the zero-shot state), one process, through
+    evaluation cells (one per task and state: ``general_cell_key``): a task a complete cell holds is not answered
+    again (``eval.reuse``). Each row (``eval/general/<row>.json``, ``<row>.samples.jsonl``) gains this call's tasks
+    and keeps the others an earlier call added; on a finished run report.md is written again."""
     from mcit.core import console
     from mcit.core.checkpoint import load_state
     from mcit.core.rundir import row_tag
+    from mcit.run import cells as CS
     from mcit.run.lifecycle import MethodHost
 
     import_lmms()
@@ -199,6 +303,8 @@ def evaluate_general(plan: Any, ks: list[int], tasks: list[str], *, zero_shot: b
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise LmmsEvalError(f"--lmms-eval runs in one process (lmms-eval shards by itself); the launcher started "
                             f"{os.environ['WORLD_SIZE']}")
+    loaded = load_tasks(manager, tasks)  # every dataset on the machine, else one line: still before the model
+    prints = {t: task_fingerprint(loaded[t]) for t in tasks}
     run = plan.run
     console.log_to(run.logs / f"general.rank{os.environ.get('RANK', '0')}.log")
     with console.stdout_to_log("deepspeed"):
@@ -206,6 +312,7 @@ def evaluate_general(plan: Any, ks: list[int], tasks: list[str], *, zero_shot: b
     host = MethodHost(plan)
     host.build()
     cfg = plan.cfg
+    store = CS.store_root(cfg, run.root)
     out: list[tuple[str, dict[str, Any]]] = []
     for k in ([None] if zero_shot else []) + ks:
         tag = row_tag(k)
@@ -213,21 +320,79 @@ def evaluate_general(plan: Any, ks: list[int], tasks: list[str], *, zero_shot: b
             if run.zero_shot_state.is_file():  # the state the run's own zero-shot row saw
                 host.load(load_state(run.zero_shot_state))
             with host.zero_shot():
-                res = run_tasks(make_adapter(host, 0, cfg.eval.batch_size, cfg.eval.max_new_tokens), tasks,
-                                manager, limit)
+                got = _answer_tasks(plan, host, 0, 0, tasks, loaded, prints, manager, limit, store)
         else:
             host.load(load_state(run.task_state(k)))
             host.enter_eval(k)
-            res = run_tasks(make_adapter(host, k, cfg.eval.batch_size, cfg.eval.max_new_tokens), tasks, manager,
-                            limit)
-        where = run.eval_dir() / "general"
-        write_json(where / f"{tag}.json", {"checkpoint": k, "tasks": tasks, "results": res["results"],
-                                           "lmms_eval": LMMS_VERSION, "limit": limit})
-        atomic_write_text(where / f"{tag}.samples.jsonl", "".join(json.dumps(s) + "\n" for s in res["samples"]))
-        out.append((tag, res["results"]))
+            got = _answer_tasks(plan, host, k, k + 1, tasks, loaded, prints, manager, limit, store)
+        out.append((tag, _merge_row(run.eval_dir() / "general", tag, k, got, limit)))
     done = run.rows_done(plan.num_stages)
     if done == plan.num_stages:  # the report's general-ability table
         from mcit.run.results import write_metrics
 
         write_metrics(plan, done)
     return out
+
+
+def _answer_tasks(plan: Any, host: Any, task_index: int, trained: int, tasks: list[str], loaded: dict[str, Any],
+                  prints: dict[str, Any], manager: Any, limit: int | None, store: Path) -> dict[str, dict[str, Any]]:
+    """Per task: its results, samples and cell (reused, or answered now and committed) for the method as it stands."""
+    from mcit.run import cells as CS
+
+    cfg = plan.cfg
+    sha = CS.state_digest(host.method.state_dict())
+    cells = {t: CS.Cell(store, general_cell_key(plan, t, prints[t], sha, limit, trained)) for t in tasks}
+    todo = [t for t in tasks if not (cfg.eval.reuse and cells[t].complete())]
+    res: dict[str, Any] = {"results": {}, "samples": []}
+    if todo:
+        adapter = make_adapter(host, task_index, cfg.eval.batch_size, cfg.eval.max_new_tokens)
+        # a leaf task goes as the object already loaded; a group by name (lmms-eval builds its subtasks again)
+        from lmms_eval.api.task import Task
+
+        res = run_tasks(adapter, [loaded[t] if isinstance(loaded[t], Task) else t for t in todo], manager, limit)
+    got: dict[str, dict[str, Any]] = {}
+    for t in tasks:
+        cell = cells[t]
+        if t in todo:
+            names = set(_leaves(loaded[t])) | {t}
+            results = {n: r for n, r in res["results"].items() if n in names}
+            samples = [x for x in res["samples"] if x["task"] in names]
+            cell.finish(samples, {"results": results, "limit": limit, "lmms_eval": LMMS_VERSION})
+            reused = False
+        else:
+            results, samples, reused = cell.info()["results"], cell.rows(), True
+        got[t] = {"results": results, "samples": samples,
+                  "cell": {"digest": cell.digest, "reused": reused, "samples": len(samples)}}
+    return got
+
+
+def _merge_row(where: Path, tag: str, k: int | None, got: dict[str, dict[str, Any]], limit: int | None
+               ) -> dict[str, Any]:
+    """The row file with this call's tasks put in (an earlier call's other tasks kept, with their limits and
+    samples): two calls on one checkpoint add up instead of the second replacing the first."""
+    path = where / f"{tag}.json"
+    try:
+        old = json.loads(path.read_text()) if path.is_file() else {}
+    except json.JSONDecodeError:
+        old = {}
+    results = dict(old.get("results") or {})
+    limits = dict(old.get("limits") or {t: old.get("limit") for t in old.get("tasks") or []})
+    cells = dict(old.get("cells") or {})
+    for t, g in got.items():
+        for name in list(results):  # a task answered again replaces all of its own entries
+            if name == t or name in (cells.get(t) or {}).get("names", []):
+                results.pop(name)
+        results.update(g["results"])
+        limits[t] = limit
+        cells[t] = {**g["cell"], "names": sorted(g["results"])}
+    tasks = [*[t for t in old.get("tasks") or [] if t not in got], *got]
+    write_json(path, {"checkpoint": k, "tasks": tasks, "results": results, "limits": limits, "cells": cells,
+                      "lmms_eval": LMMS_VERSION})
+    samples_path = where / f"{tag}.samples.jsonl"
+    kept: list[str] = []
+    if samples_path.is_file():
+        mine = {n for t in got for n in cells[t]["names"]} | set(got)
+        kept = [ln for ln in samples_path.read_text().splitlines() if ln and json.loads(ln).get("task") not in mine]
+    new = [json.dumps(x) for g in got.values() for x in g["samples"]]
+    atomic_write_text(samples_path, "".join(line + "\n" for line in kept + new))
+    return results

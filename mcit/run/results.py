@@ -50,7 +50,7 @@ def write_metrics(plan: Plan, done: int) -> dict[str, Any]:
         M.heatmap(rd.heatmap, plan.names, acc, f"{cfg.name} ({cfg.method.name})", rows=plan.stage_names)
         report = M.report_markdown(cfg.name, cfg.method.name, cfg.backbone.tag, plan.names, counts, acc, zs, m,
                                    out["backbone_sha256"], heatmap_file=rd.heatmap.name, rows=plan.stage_names)
-        atomic_write_text(rd.report, report + M.general_markdown(general))
+        atomic_write_text(rd.report, report + M.general_markdown(general, M.general_limits(rd.eval_dir())))
     return out
 
 

@@ -300,6 +300,16 @@ def build_case(case: str, assets, work: Path, cfg: Path, done: Path, open_dir: P
         (work / "lmms_none").mkdir(exist_ok=True)
         return ev(["--run", str(done), "--lmms-eval", "no_such_task", "--lmms-include", str(work / "lmms_none")],
                   "--lmms-eval: unknown task 'no_such_task'", also=[str(work / "lmms_none")])
+    if case == "evaluate_lmms_dataset_missing":  # a known task whose data is not here: before any model loads
+        tasks = work / "lmms_missing"
+        tasks.mkdir(exist_ok=True)
+        (tasks / "gone.yaml").write_text(
+            "task: gone_task\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: "
+            f"{tasks / 'no_such_docs.json'}\ntest_split: test\noutput_type: generate_until\ndoc_to_text: question\n"
+            "doc_to_target: answer\nmetric_list:\n  - metric: exact_match\n")
+        return ev(["--run", str(done), "--lmms-eval", "gone_task", "--lmms-include", str(tasks)],
+                  "lmms-eval task 'gone_task': its dataset json could not be loaded on this machine",
+                  also=["no_such_docs.json", "a local lmms-eval task"])
     if case == "evaluate_batch_size_0":
         return ev(["--run", str(done), "--batch-size", "0"], "--batch-size must be at least 1, got 0")
     # -- raw data-prep files -------------------------------------------------------------------------------
@@ -381,7 +391,8 @@ CASES = [
     "missing_backbone", "backbone_without_config", "backbone_broken_config", "backbone_broken_weights",
     "backbone_path_typo", "backbone_of_another_family", "report_of_unfinished_runs_only",
     "evaluate_not_a_run", "evaluate_no_checkpoint", "evaluate_bad_checkpoint_arg", "evaluate_unknown_task",
-    "evaluate_write_rows_subset", "evaluate_batch_size_0", "evaluate_lmms_unknown_task", "cifar_missing_fine_labels",
+    "evaluate_write_rows_subset", "evaluate_batch_size_0", "evaluate_lmms_unknown_task",
+    "evaluate_lmms_dataset_missing", "cifar_missing_fine_labels",
     "cifar_missing_raw",
     "cifar_not_a_pickle", "llava_json_outside_images", "llava_json_not_json",
 ]

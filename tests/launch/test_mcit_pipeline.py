@@ -153,16 +153,16 @@ def test_lora_family_rebuilt_between_tasks_trains_from_its_loaded_state(mcit_ass
     assert res["olora"]["frozen_kept"] == [0, 8, 16], res["olora"]
 
 
-def _local_lmms_task(shards, where):
-    """An lmms-eval task over local files (no hub): the count task's test questions, their images as PNG files
-    (the shard's own bytes), the question without "<image>" (lmms-eval's convention: the model places the image),
-    scored by the pipeline's exact_match in the task's own process_results."""
+def _local_lmms_task(shards, where, task="count"):
+    """An lmms-eval task over local files (no hub), ``mcit_<task>``: the task's test questions, their images as PNG
+    files (the shard's own bytes), the question without "<image>" (lmms-eval's convention: the model places the
+    image), scored by the pipeline's exact_match in the task's own process_results."""
     from mcit.data.instructions import turns
     from mcit.data.shards import iter_samples, open_split
 
     (where / "images").mkdir(parents=True)
     docs = []
-    for s in iter_samples(open_split(shards / "count" / "test"), 0, 1, policy="sample"):
+    for s in iter_samples(open_split(shards / task / "test"), 0, 1, policy="sample"):
         rec = json.loads(s["json"])
         q, a = turns(rec["conversations"], s["__key__"])[-1]
         (where / "images" / f"{s['__key__']}.png").write_bytes(s["png"])
@@ -177,8 +177,8 @@ def _local_lmms_task(shards, where):
         "def process_results(doc, results):\n"
         "    ref = {'answer': doc['answer'], 'answers': doc['answers']}\n"
         "    return {'exact_match': scorers.exact_match(results[0], ref)}\n")
-    (where / "mcit_count.yaml").write_text(
-        "task: mcit_count\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: docs.json\n"
+    (where / f"mcit_{task}.yaml").write_text(
+        f"task: mcit_{task}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: docs.json\n"
         "test_split: test\noutput_type: generate_until\ndoc_to_visual: !function utils.doc_to_visual\n"
         "doc_to_text: !function utils.doc_to_text\ndoc_to_target: answer\n"
         "process_results: !function utils.process_results\n"
@@ -192,7 +192,8 @@ def test_lmms_eval_adapter_answers_as_the_pipeline_s_own_evaluation(z3_run, mcit
     """``mcit-evaluate --lmms-eval`` on the finished ZeRO-3 run, through lmms-eval's own task machinery over a local
     task holding the count task's test questions: the zero-shot state and the checkpoint after task 1 give, question
     by question, the predictions the run's own evaluation wrote (16.7% and 20.8% right, 5 of 24 answers apart), and
-    lmms-eval's aggregate equals the run's row; report.md and metrics.json gain the general-ability rows."""
+    lmms-eval's aggregate equals the run's row; report.md and metrics.json gain the general-ability rows. A second
+    call adds a task to a row (the first kept); a third, asking for both again, reuses both evaluation cells."""
     run = z3_run / "runs" / "z3"
     docs = _local_lmms_task(mcit_assets["shards"], tmp_path / "lmms_tasks" / "mcit_count")
     r = launch(["--run", str(run), "--lmms-eval", "mcit_count", "--lmms-include", str(tmp_path / "lmms_tasks"),
@@ -215,6 +216,26 @@ def test_lmms_eval_adapter_answers_as_the_pipeline_s_own_evaluation(z3_run, mcit
     assert set(metrics["general_ability"]) == {"zero_shot", "after_task_1"}
     report = (run / "report.md").read_text()
     assert "## General ability (lmms-eval)" in report and "| zero shot |" in report and "| after task 1 |" in report
+    # a second call on checkpoint 1 with another task: the row gains it and keeps the first (its results and
+    # samples); the zero-shot row is untouched. A third asking for both answers nothing: both cells are reused
+    _local_lmms_task(mcit_assets["shards"], tmp_path / "lmms_tasks" / "mcit_colour", task="colour")
+    before = (run / "eval" / "general" / "after_task_1.samples.jsonl").read_text().splitlines()
+    zero_row = (run / "eval" / "general" / "zero_shot.json").read_text()
+    lmms = ["--lmms-include", str(tmp_path / "lmms_tasks"), "--task-checkpoint", "1"]
+    r = launch(["--run", str(run), "--lmms-eval", "mcit_colour", *lmms], entry=EVALUATE)
+    assert r.returncode == 0, r.stderr[-3000:]
+    row = json.loads((run / "eval" / "general" / "after_task_1.json").read_text())
+    assert row["tasks"] == ["mcit_count", "mcit_colour"] and set(row["results"]) == {"mcit_count", "mcit_colour"}
+    assert 100 * row["results"]["mcit_colour"]["exact_match"] == pytest.approx(metrics["acc_matrix"][1][0], abs=1e-9)
+    got = (run / "eval" / "general" / "after_task_1.samples.jsonl").read_text().splitlines()
+    assert [x for x in got if json.loads(x)["task"] == "mcit_count"] == before and len(got) == 48
+    assert (run / "eval" / "general" / "zero_shot.json").read_text() == zero_row
+    r = launch(["--run", str(run), "--lmms-eval", "mcit_count", "mcit_colour", *lmms], entry=EVALUATE)
+    assert r.returncode == 0, r.stderr[-3000:]
+    again = json.loads((run / "eval" / "general" / "after_task_1.json").read_text())
+    assert all(c["reused"] for c in again["cells"].values()) and again["results"] == row["results"]
+    assert (run / "eval" / "general" / "after_task_1.samples.jsonl").read_text().splitlines() == got
+    assert "mcit_colour exact_match" in (run / "report.md").read_text()
 
 
 def test_rescore_gives_the_rows_again_without_the_model_and_a_swapped_scorer_s_numbers(z3_run, tmp_path):

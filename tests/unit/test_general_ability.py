@@ -110,3 +110,28 @@ def llava_backbone(mcit_assets):
     from mcit.models.mllm import MLLMBackbone
 
     return MLLMBackbone.from_path(str(mcit_assets["backbone"]))
+
+
+def test_a_row_run_with_a_sample_limit_is_marked_in_the_report(tmp_path):
+    """report.md marks every number answered on the first N questions only (``--lmms-limit``) and says N under the
+    table; a full pass of the same task in another row is not marked."""
+    from mcit.core import metrics as M
+
+    where = tmp_path / "eval" / "general"
+    where.mkdir(parents=True)
+    (where / "zero_shot.json").write_text(json.dumps({
+        "checkpoint": None, "tasks": ["mme"], "results": {"mme": {"acc": 0.5}}, "limits": {"mme": None}}))
+    (where / "after_task_0.json").write_text(json.dumps({
+        "checkpoint": 0, "tasks": ["mme", "grp"], "limits": {"mme": 10, "grp": None},
+        "results": {"mme": {"acc": 0.4}, "grp": {"acc": 0.7}, "grp_a": {"acc": 0.6}},
+        "cells": {"mme": {"names": ["mme"]}, "grp": {"names": ["grp", "grp_a"]}}}))
+    (where / "after_task_1.json").write_text(json.dumps({  # a row from before the per-task limits
+        "checkpoint": 1, "tasks": ["grp"], "limit": 5, "results": {"grp": {"acc": 0.65}, "grp_a": {"acc": 0.5}}}))
+    limits = M.general_limits(tmp_path / "eval")
+    assert limits == {"after_task_0": {"mme": 10}, "after_task_1": {"grp": 5}}
+    text = M.general_markdown(M.general_rows(tmp_path / "eval"), limits)
+    lines = {ln.split("|")[1].strip(): ln for ln in text.splitlines() if ln.startswith("| ") and "row" not in ln}
+    assert "0.5 |" in lines["zero shot"] and "†" not in lines["zero shot"]
+    assert "0.4 †" in lines["after task 0"] and "0.7 |" in lines["after task 0"]
+    assert "0.65 †" in lines["after task 1"]
+    assert "after task 0: mme (first 10); after task 1: grp (first 5)" in text
