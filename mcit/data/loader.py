@@ -9,6 +9,7 @@ loss so the gradient is the mean over exactly the real samples.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import os
@@ -30,11 +31,13 @@ class LoaderOptions:
     num_workers: int = 0
     pin_memory: bool = False
     worker_timeout_s: float = 600.0
+    worker_nice: int = 0
 
     @classmethod
     def from_config(cls, data: Any) -> "LoaderOptions":
-        """The config's ``data`` section (num_workers, worker_timeout_s); pinned where the device is CUDA."""
-        return cls(data.num_workers, torch.cuda.is_available(), data.worker_timeout_s)
+        """The config's ``data`` section (num_workers, worker_timeout_s, worker_nice); pinned where the device is
+        CUDA."""
+        return cls(data.num_workers, torch.cuda.is_available(), data.worker_timeout_s, data.worker_nice)
 
 
 def rank_counts(split: Split, world: int, policy: str) -> list[int]:
@@ -251,7 +254,7 @@ class WorkerPool:
 
     TENSOR_LIMIT = 1 << 20  # elements: a collate holding a larger tensor is carrying weights, not settings
 
-    def __init__(self, num_workers: int, pin_memory: bool, timeout_s: float) -> None:
+    def __init__(self, num_workers: int, pin_memory: bool, timeout_s: float, nice: int = 0) -> None:
         import shutil
         import tempfile
         import weakref
@@ -261,7 +264,8 @@ class WorkerPool:
         self.feed = _Feed()
         self.loader = torch.utils.data.DataLoader(
             _Collating(directory=self.directory), batch_size=None, sampler=self.feed, num_workers=num_workers,
-            collate_fn=_first, pin_memory=pin_memory, prefetch_factor=4, timeout=timeout_s, persistent_workers=True)
+            collate_fn=_first, pin_memory=pin_memory, prefetch_factor=4, timeout=timeout_s, persistent_workers=True,
+            worker_init_fn=functools.partial(_lower_priority, nice))
         self.busy = False
         self.iterator: Iterator | None = None  # torch's persistent iterator, once the workers have started
 
@@ -315,13 +319,21 @@ class WorkerPool:
             stop()
 
 
-_POOLS: dict[tuple[int, bool, float], WorkerPool] = {}
+_POOLS: dict[tuple[int, bool, float, int], WorkerPool] = {}
 
 
 def shutdown_workers() -> None:
     """Stop the persistent loader workers of this process (the next stream starts new ones)."""
     while _POOLS:
         _POOLS.popitem()[1].close()
+
+
+def _lower_priority(nice: int, worker_id: int) -> None:
+    """A loader worker's start (``data.worker_nice``): below the training or evaluating process, so on a busy CPU
+    its threads come first and the workers take what they leave (a worker that cannot keep up still gets the CPU
+    the moment the rank waits for a batch)."""
+    if nice > 0:
+        os.nice(nice)
 
 
 def _first(work: _Work) -> _Work:
@@ -371,8 +383,9 @@ def _run(works: Iterator[_Work], collates: list[Collate], loader: LoaderOptions,
         stream: Iterator = here(works)
     else:
         first = next(works, None)
-        where = (num_workers, pin_memory, timeout_s)
-        pool = _POOLS.get(where) or _POOLS.setdefault(where, WorkerPool(num_workers, pin_memory, timeout_s))
+        where = (num_workers, pin_memory, timeout_s, loader.worker_nice)
+        pool = _POOLS.get(where) or _POOLS.setdefault(where, WorkerPool(num_workers, pin_memory, timeout_s,
+                                                                          loader.worker_nice))
         keys = None if pool.busy else pool.register(collates)
         if keys is not None:
             try:
@@ -389,7 +402,8 @@ def _run(works: Iterator[_Work], collates: list[Collate], loader: LoaderOptions,
             # the workers start now, on the items after the first
             rest = iter(torch.utils.data.DataLoader(
                 data, batch_size=None, sampler=works, num_workers=num_workers, collate_fn=_first,  # type: ignore[arg-type]
-                pin_memory=pin_memory, prefetch_factor=4, timeout=timeout_s))
+                pin_memory=pin_memory, prefetch_factor=4, timeout=timeout_s,
+                worker_init_fn=functools.partial(_lower_priority, loader.worker_nice)))
         # the first batch is built here while the workers take the next ones (building it before they start
         # measured slower: 0.84 / 0.82 against 0.88 / 0.84 in bench/eval_throughput.py, 2 workers, 2 cores)
         stream = itertools.chain(here(iter([first] if first is not None else [])), _waited(rest, timeout_s, what))

@@ -200,8 +200,8 @@ def answer_classification(method: Method, splits: list[Split], *, batch_size: in
         if writers:
             writers[i].add(rows, chunk_size)
         if bar is not None:
-            _advance(bar, len(rows))
-    return _gather(mine, writers, bar)
+            advance_bar(bar, len(rows))
+    return gather_answers(mine, writers, bar)
 
 
 def _bar(progress: bool, splits: list[Split], skip: list[set[str]] | None, desc: str) -> Any:
@@ -213,14 +213,14 @@ def _bar(progress: bool, splits: list[Split], skip: list[set[str]] | None, desc:
     return progress_bar(left, desc, "sample")
 
 
-def _advance(bar: Any, n: int) -> None:
+def advance_bar(bar: Any, n: int) -> None:
     """Rank 0's ``n`` new answers as the whole launch's progress (each rank answers its share at about the same
     pace), never past the total: the ranks' shares differ by up to a batch, and a bar that overshot showed
     ``2560/?`` for 2400 samples."""
     bar.update(min(n * dist.world_size(), max(int(bar.total or 0) - bar.n, 0)))
 
 
-def _gather(mine: list[list[dict]], writers: list[Any] | None, bar: Any) -> list[list[dict]]:
+def gather_answers(mine: list[list[dict]], writers: list[Any] | None, bar: Any) -> list[list[dict]]:
     """Commit what each writer holds, then every rank's rows of each split to rank 0."""
     for w in writers or []:
         w.flush()
@@ -284,8 +284,8 @@ def answer_generation(method: Method, splits: list[Split], *, batch_size: int, p
         if writers:
             writers[i].add(rows, chunk_size)
         if bar is not None:
-            _advance(bar, len(rows))
-    return _gather(mine, writers, bar)
+            advance_bar(bar, len(rows))
+    return gather_answers(mine, writers, bar)
 
 
 @torch.no_grad()

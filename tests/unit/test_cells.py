@@ -150,10 +150,10 @@ def test_the_evaluation_bar_counts_the_launch_s_samples_and_never_passes_its_tot
     bar = LineProgress(2400, "eval", "sample", file=io.StringIO())
     seen = []
     for _ in range(20):  # rank 0's part: 20 batches of 64 (1280 > 1200, its share)
-        E._advance(bar, 64)
+        E.advance_bar(bar, 64)
         seen.append(bar.n)
     assert seen[-1] == 2400 and max(seen) == 2400 and seen[:2] == [128, 256]
     bar = LineProgress(2400, "eval", "sample", file=io.StringIO())
-    E._advance(bar, 1100)
-    E._gather([], None, bar)
+    E.advance_bar(bar, 1100)
+    E.gather_answers([], None, bar)
     assert bar.n == 2400
