@@ -202,23 +202,22 @@ def committed_rows(plan: Any, completed: list[str]) -> list[str]:
             + [row_tag(t) for t in range(plan.num_stages) if f"{t}/commit" in completed])
 
 
-def next_row(plan: Any, poll_s: float) -> str | None:
-    """A following worker's next row (rank 0): the first committed row that is neither in nor held by another
-    worker, waiting for the next commit while the run's launch lives (it holds ``run.lock``). None once every row
-    is in, the run is finished, or the launch is gone with nothing committed left (the next launch starts a worker
-    of its own)."""
+WAIT = "wait"
+
+
+def next_row(plan: Any) -> str | None:
+    """A following worker's next row, from one look (rank 0): the first committed row that is neither in nor held
+    by another worker; ``WAIT`` while the run's launch lives (it holds ``run.lock``) and may commit more; None once
+    every row is in, the run is finished, or the launch is gone with nothing committed left (the next launch starts
+    a worker of its own)."""
     run = plan.run
-    every = row_tags(plan, plan.num_stages)
-    while True:
-        state = run.read_state() or {}
-        for tag in committed_rows(plan, state.get("completed", [])):
-            if not run.row(tag_row(tag)).is_file() and not worker_lock(run, tag).held():
-                return tag
-        if state.get("finished") or all(run.row(tag_row(t)).is_file() for t in every):
-            return None
-        if not run.lock.held():
-            return None
-        time.sleep(poll_s)
+    state = run.read_state() or {}
+    for tag in committed_rows(plan, state.get("completed", [])):
+        if not run.row(tag_row(tag)).is_file() and not worker_lock(run, tag).held():
+            return tag
+    if state.get("finished") or all(run.row(tag_row(t)).is_file() for t in row_tags(plan, plan.num_stages)):
+        return None
+    return WAIT if run.lock.held() else None
 
 
 def take_over(run: RunDir, tag: str, first: str, log: Path | None) -> None:

@@ -8,6 +8,7 @@ report.md are recomputed, which fills in rows a run lost or never wrote.
 from __future__ import annotations
 
 import os
+import time
 
 from mcit.core import console
 from mcit.core import distributed as dist
@@ -27,7 +28,7 @@ def worker_row(plan: Plan, tag: str, follow: bool = False) -> bool:
     while the run's launch lives (``deferred.next_row``), on the model loaded once. False when it answered none
     (another worker held the lock, or the row was in)."""
     from mcit.core.rundir import RunDirLock
-    from mcit.run.deferred import next_row, tag_row, take_over
+    from mcit.run.deferred import WAIT, next_row, tag_row, take_over
 
     run = plan.run
     log = console.log_to(run.logs / f"eval_worker.{tag}.rank{os.environ.get('RANK', '0')}.log")
@@ -53,7 +54,12 @@ def worker_row(plan: Plan, tag: str, follow: bool = False) -> bool:
             if dist.is_main():
                 print(f"row {current}: " + " ".join(f"{a:.2f}" for a in row["acc"]), flush=True)
         lock.release()
-        current = dist.broadcast_object(next_row(plan, plan.cfg.eval.poll_s) if follow and dist.is_main() else None)
+        current = None
+        while follow:  # every rank takes part in each look: a wait longer than the collective timeout is fine
+            current = dist.broadcast_object(next_row(plan) if dist.is_main() else None)
+            if current != WAIT:
+                break
+            time.sleep(plan.cfg.eval.poll_s)
     shutdown_workers()
     dist.shutdown()
     return answered > 0
