@@ -19,6 +19,7 @@ optional 4-bit / 8-bit loading of the frozen weights through bitsandbytes.
 
 from __future__ import annotations
 
+import array
 import json
 import re
 from dataclasses import dataclass
@@ -85,6 +86,15 @@ def answer_token_ce(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.T
     return ce.sum(1), (target != -100).sum(1)
 
 
+class PromptMemo(dict):
+    """``MLLMBackbone._encode_one``'s tokens per conversation. It pickles empty: a collate's view of the backbone
+    (``collation_view``) goes to the loader workers in kilobytes, and its registry digest does not change as the
+    memo fills."""
+
+    def __reduce__(self) -> tuple:
+        return (PromptMemo, ())
+
+
 class MLLMBackbone(Backbone):
     """A frozen multimodal LLM and its processor. A family (one file: ``LlavaBackbone``, ``InstructBlipBackbone``,
     ``Qwen2VLBackbone``) names its transformers class and overrides the hooks below where it differs from
@@ -92,6 +102,10 @@ class MLLMBackbone(Backbone):
 
     task_type = "generation"
     load_options = ("quantization", "max_length", "chat_format")
+    # A conversation's tokens (chat template + tokenizer: a pure function of the turns) are kept for this many
+    # distinct conversations per process: benchmarks ask the same instruction many times (the embedded one 120
+    # phrasings per task over 600 questions), and these two were a third of an evaluation's collation.
+    PROMPT_MEMO = 4096
     hub_ids = True
     kind: str = ""  # the family's backbone.kind
     model_class: str = ""  # its transformers class
@@ -328,8 +342,19 @@ class MLLMBackbone(Backbone):
         from mcit.models import chat
 
         has_image = image is not None
-        ids, flags = chat.tokenize(self.tokenizer, self.render(turns, train=train, has_image=has_image),
-                                   self.image_token_id)
+        key = (tuple(turns), has_image, train)
+        memo = self.__dict__.get("_prompt_memo")
+        if memo is None:
+            memo = self.__dict__["_prompt_memo"] = PromptMemo()
+        hit = memo.get(key)
+        if hit is None:
+            ids, flags = chat.tokenize(self.tokenizer, self.render(turns, train=train, has_image=has_image),
+                                       self.image_token_id)
+            if len(memo) >= self.PROMPT_MEMO:
+                memo.pop(next(iter(memo)))
+            memo[key] = (array.array("q", ids), bytes(bytearray(map(bool, flags))))  # 9 bytes a token, not ~40
+        else:
+            ids, flags = list(hit[0]), [bool(f) for f in hit[1]]
         extra: dict[str, Any] = {}
         n_image = 0
         if has_image:

@@ -211,3 +211,26 @@ def test_repetition_penalty_leaves_the_prompt_s_left_padding_out_as_generate_doe
         torch.cat([seen, generated], 1), scores.clone())
     assert torch.equal(got, want)
     assert got[0, pad] == 2.0 and got[0, 5] == got[0, 3] == 2.0 / 1.5 and got[1, pad] == 2.0 / 1.5
+
+
+def test_a_conversation_s_kept_tokens_equal_a_fresh_encoding_and_never_travel_to_the_workers(family):
+    """``PROMPT_MEMO``: a conversation encoded again (train: labels on the answer; eval: up to it) gives what a
+    backbone without the memo gives (a family hook that changed the kept tokens in place would show here), and a
+    collate's pickled view of the backbone carries none of the entries."""
+    import copy
+    import json
+    import pickle
+
+    from mcit.data.instructions import turns
+
+    bb, samples, split = family
+    convs = [turns(json.loads(s["json"])["conversations"], s["__key__"]) for s in samples]
+    for train in (True, False):
+        first = [bb._encode_one(c, None, None, train=train)[:2] for c in convs]  # (ids, labels)
+        again = [bb._encode_one(c, None, None, train=train)[:2] for c in convs]
+        fresh = copy.copy(bb)
+        fresh.__dict__.pop("_prompt_memo", None)
+        assert first == again == [fresh._encode_one(c, None, None, train=train)[:2] for c in convs]
+    assert len(bb.__dict__["_prompt_memo"]) >= 2
+    view = pickle.loads(pickle.dumps(bb.collation_view()))
+    assert not view.__dict__.get("_prompt_memo")
