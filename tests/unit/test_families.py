@@ -226,11 +226,11 @@ def test_a_conversation_s_kept_tokens_equal_a_fresh_encoding_and_never_travel_to
     bb, samples, split = family
     convs = [turns(json.loads(s["json"])["conversations"], s["__key__"]) for s in samples]
     for train in (True, False):
-        first = [bb._encode_one(c, None, None, train=train)[:2] for c in convs]  # (ids, labels)
-        again = [bb._encode_one(c, None, None, train=train)[:2] for c in convs]
+        first = [bb.encode(c, None, train=train)[:2] for c in convs]  # (ids, labels)
+        again = [bb.encode(c, None, train=train)[:2] for c in convs]
         fresh = copy.copy(bb)
         fresh.__dict__.pop("_prompt_memo", None)
-        assert first == again == [fresh._encode_one(c, None, None, train=train)[:2] for c in convs]
+        assert first == again == [fresh.encode(c, None, train=train)[:2] for c in convs]
     assert len(bb.__dict__["_prompt_memo"]) >= 2
     view = pickle.loads(pickle.dumps(bb.collation_view()))
     assert not view.__dict__.get("_prompt_memo")
