@@ -103,10 +103,11 @@ class DataConfig(_Strict):
         2, ge=0, description="loader worker processes per rank that decode, augment and collate (0: in the training "
                              "process); the batches are the same for any number")
     worker_nice: int = Field(
-        10, ge=0, le=19, description="niceness of the loader workers (0: the rank's own priority): on a CPU the rank "
-                                     "keeps busy, its threads come first and the workers fill what they leave "
-                                     "(bench/eval_throughput.py, 2 cores: pipeline / bare generate 0.67 with 0, "
-                                     "0.71 with 10, 0.74 with 19; the train stage unchanged)")
+        0, ge=0, le=19, description="niceness of the loader workers (0: the rank's own priority): on a CPU the rank "
+                                    "keeps busy, its threads come first and the workers fill what they leave "
+                                    "(bench/eval_throughput.py, 2 cores: pipeline / bare generate 0.67 with 0, "
+                                    "0.69-0.71 with 10, 0.74 with 19; the train stage unchanged). Off by default: on "
+                                    "a node shared with other jobs, niced workers can starve")
     worker_timeout_s: float = Field(
         600.0, gt=0, description="a loader worker that delivers no batch for this long stops the run with an error "
                                  "naming the split (a worker stuck on storage, or deadlocked at its start) instead "
