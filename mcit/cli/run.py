@@ -77,20 +77,21 @@ def _main(argv: list[str] | None) -> int:
         return common.after_launch(e, plans[0].run_dir)
     preemption.install()
     for plan in plans:
-        code = _run_one(plan, summary_text)
+        code = _run_one(plan)
         if code is not None:
             return code
     dist.shutdown()
     return 0
 
 
-def _run_one(plan: Any, summary_text: Any) -> int | None:
+def _run_one(plan: Any) -> int | None:
     """One sequence under the launch's process group: its lock, its stages, its summary; None when it finished,
     else the launch's exit code (the ranks have stopped together)."""
     from mcit.core import console
     from mcit.core import distributed as dist
     from mcit.data.loader import shutdown_workers
     from mcit.run.pipeline import Pipeline
+    from mcit.run.results import summary_text
 
     console.log_to(plan.run.logs / f"rank{os.environ.get('RANK', '0')}.log")
     lock = plan.run.lock

@@ -249,7 +249,7 @@ def general_cell_key(plan: Any, task: str, fingerprint: dict[str, Any], state_sh
     cfg = plan.cfg
     return {"kind": "lmms-eval", "task": task, "trained": trained, "state": state_sha,
             "backbone": plan.backbone_records(), "task_fingerprint": fingerprint, "limit": limit,
-            "batch_independent": True, "max_new_tokens": cfg.eval.max_new_tokens,
+            "max_new_tokens": cfg.eval.max_new_tokens,
             "method": cfg.method.params().model_dump(mode="json"), "versions": {**CS.versions(),
                                                                                  "lmms_eval": LMMS_VERSION}}
 
