@@ -90,7 +90,10 @@ def decode_instruction(sample: dict) -> tuple[Any, dict[str, Any], str]:
         data = next((sample[e] for e in IMAGE_EXTS if e in sample), None)
         if data is None and not rec.get("text_only"):
             raise DataError(f"{where}: no image (expected one of {', '.join(IMAGE_EXTS)}, or \"text_only\": true)")
-        image = None if data is None else Image.open(io.BytesIO(data)).convert("RGB")
+        image = None if data is None else Image.open(io.BytesIO(data))
+        if image is not None:
+            image.load()  # decoded here, so that a corrupt file names its sample
+            image = image if image.mode == "RGB" else image.convert("RGB")
     except DataError:
         raise
     except Exception as e:  # noqa: BLE001 - any decoding failure names the sample

@@ -27,6 +27,7 @@ class LlavaBackbone(MLLMBackbone):
     model_class = "LlavaForConditionalGeneration"
     model_types = ("llava",)
     unquantized = ("lm_head", ".*vision_tower", ".*multi_modal_projector")
+    images_alone = True
 
     @classmethod
     def check_files(cls, path: str) -> None:

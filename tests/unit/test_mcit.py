@@ -391,6 +391,40 @@ def test_llava_batch_rows_equal_one_sample_batches(llava, mcit_assets):
     _batch_rows_equal_one_sample_batches(llava[0], mcit_assets)
 
 
+def test_llava_images_alone_encode_equals_the_full_processor(llava, mcit_assets):
+    """LLaVA's collate runs the image processor alone and counts an image's tokens once per pixel shape
+    (``images_alone``: the processor's text pass was a fifth of an evaluation's collation); the batch equals the
+    one the full processor (text and images) gives, for images of several sizes and a text-only sample."""
+    import copy
+    import io
+    import json
+
+    from PIL import Image
+
+    from mcit.data.shards import iter_samples, open_split
+
+    bb = llava[0]
+    assert type(bb).images_alone
+    split = open_split(mcit_assets["shards"] / "count" / "test")
+    samples = list(iter_samples(split, 0, 1, policy="sample"))[:4]
+    rec = json.loads(samples[0]["json"])
+    for n, size in enumerate(((64, 96), (20, 50), (33, 33))):
+        buf = io.BytesIO()
+        Image.open(io.BytesIO(samples[n]["png"])).resize(size).save(buf, format="PNG")
+        samples.append({**samples[n], "__key__": f"sized{n}", "png": buf.getvalue()})
+    samples.append({"__key__": "text", "json": json.dumps({**rec, "text_only": True}).encode()})
+    full = copy.copy(bb)
+    full.__dict__.pop("_image_counts", None)
+    full.images_alone = False
+    for train in (True, False):
+        got, ref = bb.make_collate(split, 0, train=train)(samples), full.make_collate(split, 0, train=train)(samples)
+        assert "_image_counts" not in full.__dict__
+        for k in ("input_ids", "attention_mask", "has_image"):
+            assert torch.equal(got.inputs[k], ref.inputs[k]), k
+        assert torch.equal(got.labels, ref.labels) and torch.equal(got.pixel_values, ref.pixel_values)
+        assert int((got.inputs["input_ids"] == bb.image_token_id).sum()) == 7 * 16  # 7 images of (32/8)^2 patches each
+
+
 def test_instructblip_backbone_trains_prompts_and_generates_per_sample(mcit_assets, tmp_path):
     from mcit.core.registry import METHODS
     from mcit.data import tiny_mcit as B
