@@ -33,6 +33,10 @@ $(VENV)/.installed-test: $(VENV)/.installed pyproject.toml
 	$(BIN)/pip install -qq --disable-pip-version-check -e ".[test,lmms]" torch==2.13.0
 	$(BIN)/pip install -qq --disable-pip-version-check --no-deps lmms-eval==0.7.3
 	PATH=$(abspath $(BIN)):$$PATH $(BIN)/python -m mcit.core.extensions --ops CPUAdamBuilder  # ZeRO-offload's (tests run it)
+	# headless Chromium for the report.html tests (Debian's packages; selenium drives it, nothing downloaded later)
+	command -v chromium >/dev/null && command -v chromedriver >/dev/null || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); $$SUDO apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium chromium-driver >/dev/null; }
 	touch $@
 
 # Data and backbones are file targets: each is rebuilt only when the code that determines its bytes is newer

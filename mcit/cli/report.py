@@ -7,6 +7,12 @@
 zero-shot row (the same test samples, nothing trained). A run with ``data.schedule: joint`` (the multi-task
 bound) is labelled ``multitask``. Runs that have not finished are left out, each named on stderr; exit 2 where
 none has.
+
+Where a run has its report.html (``mcit.run.html_report``: one self-contained page, opens offline), the last
+lines say where. ``--html`` (re)writes it for each run directory and each sweep directory given (those written
+before the page existed):
+
+    mcit-report --html runs/tiny_mcit_lora runs/sweeps/digits_l2p
 """
 
 from __future__ import annotations
@@ -23,14 +29,32 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("run_dirs", nargs="+", type=Path)
     ap.add_argument("--zero-shot-of", type=Path, metavar="RUN",
                     help="add a zero-shot column: the averages of this run's zero-shot row")
+    ap.add_argument("--html", action="store_true",
+                    help="write report.html for each run or sweep directory given, and print where each is")
     args = ap.parse_args(argv)
-    from mcit.studies.report import comparison
+    from mcit.studies.report import comparison, unfinished, write_html
 
-    try:
-        text, skipped = comparison(args.run_dirs, args.zero_shot_of)
-    except Exception as e:  # noqa: BLE001 - no finished run, or an unreadable one: one line, exit 2
-        return common.before_launch(e)
-    print(text)
+    made: list[Path] = []
+    if args.html:
+        try:
+            made, skipped = write_html(args.run_dirs)
+        except Exception as e:  # noqa: BLE001 - an unreadable run or sweep: one line, exit 2
+            return common.before_launch(e)
+        if not made:
+            return common.fail("no finished run or sweep to write a report for: " + "; ".join(skipped))
+    runs = [d for d in args.run_dirs if not (d / "aggregate.json").is_file()]
+    skipped = []
+    if runs:
+        try:
+            text, skipped = comparison(runs, args.zero_shot_of)
+        except Exception as e:  # noqa: BLE001 - no finished run, or an unreadable one: one line, exit 2
+            if not made:
+                return common.before_launch(e)
+            text, skipped = "", [str(e)]
+        print(text)
+    pages = made or [d / "report.html" for d in runs if (d / "report.html").is_file() and unfinished(d) is None]
+    for path in pages:
+        print(f"HTML report: {path}")
     sys.stdout.flush()
     for line in skipped:  # a glob over runs/ catches runs still going: named, not fatal
         print(f"skipped {line}", file=sys.stderr)

@@ -6,7 +6,7 @@
       config.yaml                        the resolved config (a re-run must match it)
       backbone.json                      tag, format, source, sha256 of the backbone (and auxiliary ones)
       state.json                         the commit point: completed stages, current method state
-      metrics.json  report.md  acc_matrix.png
+      metrics.json  report.md  report.html  acc_matrix.png
       PREEMPT                            a stop request (written by the Slurm scripts' trap)
       logs/train.jsonl  logs/tb/         the training log (rank 0), TensorBoard
       eval/zero_shot.json                accuracy-matrix rows: the zero-shot row ...

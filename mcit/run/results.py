@@ -4,6 +4,7 @@ heatmap and report.md; the summary the programs print. Both the staged loop and 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from mcit.core import metrics as M
@@ -22,7 +23,8 @@ def rows(plan: Plan, done: int) -> tuple[list[list[float]], list[float] | None, 
 
 
 def write_metrics(plan: Plan, done: int) -> dict[str, Any]:
-    """metrics.json from the first ``done`` rows; once every task is done also the heatmap and report.md."""
+    """metrics.json from the first ``done`` rows; once every task is done also the heatmap, report.md and
+    report.html."""
     cfg, rd = plan.cfg, plan.run
     acc, zs, counts = rows(plan, done)
     T = plan.num_stages
@@ -51,6 +53,9 @@ def write_metrics(plan: Plan, done: int) -> dict[str, Any]:
         report = M.report_markdown(cfg.name, cfg.method.name, cfg.backbone.tag, plan.names, counts, acc, zs, m,
                                    out["backbone_sha256"], heatmap_file=rd.heatmap.name, rows=plan.stage_names)
         atomic_write_text(rd.report, report + M.general_markdown(general, M.general_limits(rd.eval_dir())))
+        from mcit.run.html_report import write_run_html
+
+        write_run_html(rd.root, plan.test or None)
     return out
 
 
@@ -59,4 +64,7 @@ def summary_text(metrics: dict[str, Any], run_dir: Any) -> str:
              "accuracy matrix (%), rows: after training task t; columns: task i",
              M.format_matrix(metrics["tasks"], metrics["acc_matrix"], metrics.get("zero_shot"), metrics.get("rows")),
              M.format_summary(metrics)]
+    page = Path(run_dir) / "report.html"
+    if page.is_file():
+        lines.append(f"HTML report: {page}")
     return "\n".join(lines)

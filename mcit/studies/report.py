@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 from mcit.core import metrics as M
+from mcit.core.checkpoint import atomic_write_text
 from mcit.core.rundir import RunDir, RunDirError
 
 KEYS = ["final_avg_acc", "final_avg_acc_task_mean", "avg_incremental_acc", "forgetting", "forgetting_mammoth", "bwt",
@@ -83,3 +84,24 @@ def comparison(run_dirs: list[Path], zero_shot_of: Path | None = None) -> tuple[
     if len(runs) > 1:
         parts.append(compare_table(runs))
     return "\n".join(parts), skipped
+
+
+def write_html(dirs: list[Path]) -> tuple[list[Path], list[str]]:
+    """report.html for each finished run or sweep directory (``aggregate.json``) in ``dirs`` (``mcit-report
+    --html``: runs and sweeps written before the page existed); the others are named in the second value."""
+    from mcit.run.html_report import sweep_html, write_run_html
+    from mcit.studies.results import MCITLIB_METRICS, TABLE_METRICS
+
+    made, skipped = [], []
+    for d in dirs:
+        if (d / "aggregate.json").is_file():
+            agg = json.loads((d / "aggregate.json").read_text())
+            atomic_write_text(d / "report.html", sweep_html(agg, TABLE_METRICS, MCITLIB_METRICS))
+            made.append(d / "report.html")
+            continue
+        why = unfinished(d)
+        if why is not None:
+            skipped.append(f"{d}: {why}")
+            continue
+        made.append(write_run_html(d))
+    return made, skipped

@@ -118,7 +118,8 @@ def markdown(agg: dict[str, Any]) -> str:
 
 
 def write_tables(spec: SweepSpec, agg: dict[str, Any]) -> list[Path]:
-    """aggregate.{json,csv,md} and points.csv in the sweep directory (atomically)."""
+    """aggregate.{json,csv,md}, points.csv and report.html (mcit.run.html_report) in the sweep directory
+    (atomically)."""
     out = spec.out_dir()
     buf = io.StringIO()
     w = csv.writer(buf)
@@ -133,8 +134,11 @@ def write_tables(spec: SweepSpec, agg: dict[str, Any]) -> list[Path]:
     for r in agg["points"]:
         pw.writerow([r["point"], r["config"], r["setting"], r["seed"], r["order"], r["status"]]
                     + [r[k] for k in METRICS])
+    from mcit.run.html_report import sweep_html
+
     files = {"aggregate.json": json.dumps(agg, indent=1), "aggregate.csv": buf.getvalue(),
-             "aggregate.md": markdown(agg), "points.csv": pbuf.getvalue()}
+             "aggregate.md": markdown(agg), "points.csv": pbuf.getvalue(),
+             "report.html": sweep_html(agg, TABLE_METRICS, MCITLIB_METRICS)}
     for name, text in files.items():
         atomic_write_text(out / name, text)
     return [out / n for n in files]

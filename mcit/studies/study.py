@@ -209,8 +209,8 @@ def _saved(fig: Any, path: Path) -> Path:
 
 def write_study(selection_sweeps: list[Path], final_sweep: Path | None, out: Path | None) -> tuple[str, list[Path]]:
     """The study's Markdown (selection table with the chosen settings, then the test-split table) and, with
-    ``out``, ``<out>.md`` and the figures beside it (``<out name>_matrices.png``, ...); returns (text, figures
-    written)."""
+    ``out``, ``<out>.md``, the figures beside it (``<out name>_matrices.png``, ...) and ``<out>.html`` (the tables,
+    sortable, and the figures in one page: ``mcit.run.html_report``); returns (text, files written)."""
     selection = rows_of(selection_sweeps)
     chosen = select(selection, ROOT / "configs") if selection else {}
     text = ""
@@ -222,6 +222,15 @@ def write_study(selection_sweeps: list[Path], final_sweep: Path | None, out: Pat
         text += "## Test split, chosen defaults\n\n" + table(([zs] if zs else []) + final) + "\n"
     made: list[Path] = []
     if out is not None:
+        from mcit.run.html_report import study_html
+
         atomic_write_text(out.with_suffix(".md"), text)
         made = figures(selection, final, out.parent, prefix=out.name)
+        sections = []
+        if selection:
+            sections.append(("Selection (validation carve)", selection, {id(r) for r in chosen.values()}))
+        if final:
+            sections.append(("Test split, chosen defaults", ([zs] if zs else []) + final, set()))
+        atomic_write_text(out.with_suffix(".html"), study_html(f"Study {out.name}", sections, COLUMNS, made))
+        made.append(out.with_suffix(".html"))
     return text, made

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import sys
 import time
 
 import pytest
@@ -307,3 +308,41 @@ def test_rescore_gives_the_rows_again_without_the_model_and_a_swapped_scorer_s_n
     assert r.returncode == 2 and len(errors) == 1, r.stderr[-2000:]
     assert "no stored answers for task count" in errors[0] and "after_task_0/1.jsonl" in errors[0]
     assert (bare / "metrics.json").read_text() == before and not (bare / "eval" / "rescored").exists()
+
+
+def test_the_run_s_report_html_opens_offline_in_chromium_with_the_run_s_numbers(z3_run, tmp_path):
+    """report.html of the finished run in headless Chromium: no console message, no request beyond the file
+    itself, every number its tables show equal to metrics.json, what was forgotten listed from the stored
+    answers with each question's image, a screenshot that is not blank. ``mcit-report --html`` writes the same
+    page again (a run written before the page existed)."""
+    import browser
+
+    assert browser.missing() is None, browser.missing()
+    run = z3_run / "runs" / "z3"
+    metrics = json.loads((run / "metrics.json").read_text())
+    shot = tmp_path / "run_report.png"
+    page = browser.open_report(run / "report.html", shot)
+    print(f"\n== screenshot of the run's report.html: {shot}")
+    assert page["console"] == [] and page["requests"] == []
+    shown = {k: float(v) if v else None for row in page["tables"]["metrics"] for k, v in row.items()}
+    assert shown and shown == {k: metrics[k] for k in shown}
+    assert set(shown) >= {"final_avg_acc", "forgetting", "bwt", "fwd", "mft", "mfn", "maa"}
+    acc = {k: v for row in page["tables"]["acc"] for k, v in row.items()}
+    assert [float(acc[f"zero_shot.{i}"]) for i in range(2)] == metrics["zero_shot"]
+    assert [[float(acc[f"acc_matrix.{t}.{i}"]) for i in range(2)] for t in range(2)] == metrics["acc_matrix"]
+    # what was forgotten: task 0's questions whose score fell between after_task_0 and after_task_1, from the answers
+    before, after = ({r["key"]: r["score"] for r in map(json.loads, (run / "eval" / "answers" / tag / "0.jsonl")
+                                                        .read_text().splitlines())} for tag in ("after_task_0",
+                                                                                                "after_task_1"))
+    fell = sorted(k for k in before if after[k] < before[k])
+    rose = sorted(k for k in before if after[k] > before[k])
+    assert f"{len(fell)} forgotten, {len(rose)} recovered" in page["text"]
+    html = (run / "report.html").read_text()
+    assert html.count('<tr class="sample">') == len(fell) + len(rose)
+    assert html.count('<img alt="') == len(fell) + len(rose)  # each with its image, read from the test split
+    assert page["colours"] > 100  # text, tables, figures: not a blank page
+    before_html = html
+    r = subprocess.run([sys.executable, "-m", "mcit.cli.report", "--html", str(run)], capture_output=True, text=True,
+                       cwd=z3_run, env=run_env())
+    assert r.returncode == 0 and r.stdout.splitlines()[-1] == f"HTML report: {run / 'report.html'}", r.stderr
+    assert (run / "report.html").read_text() == before_html

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 
+import browser
 import numpy as np
 from conftest import ROOT, check_aggregate_against_runs, run_env, sweep_spec, tiny_config
 
@@ -36,6 +37,23 @@ def test_local_sweep_runs_every_point_through_deepspeed_and_aggregates(assets, t
     cells = " | ".join(f"{l2p['metrics'][k]['mean']:.2f} ± {l2p['metrics'][k]['std']:.2f}"
                        for k in ("mft", "mfn", "maa", "bwt"))
     assert "## MCITlib's columns" in md and f"| l2p | default | 2 | {cells} |" in md  # MFT, MFN, MAA, BWT
+    # report.html of the sweep in headless Chromium: offline, its table the aggregate's means and stds, sortable
+    assert browser.missing() is None, browser.missing()
+    shot = tmp_path / "sweep_report.png"
+    page = browser.open_report(out / "report.html", shot)
+    print(f"\n== screenshot of the sweep's report.html: {shot}")
+    assert page["console"] == [] and page["requests"] == [] and page["colours"] > 100
+    shown = page["tables"]["sweep"]
+    assert len(shown) == len(agg["groups"]) == 2
+    for row, g in zip(shown, agg["groups"]):
+        assert int(row.pop("n")) == g["n"]
+        assert row and {k: float(v) if v else None for k, v in row.items()} == {k: g["metrics"][k]["mean"] for k in row}
+    assert {"final_avg_acc", "forgetting", "bwt", "mft", "mfn", "maa"} <= set(shown[0])
+    html = (out / "report.html").read_text()
+    for g in agg["groups"]:  # each std as the page holds it
+        assert f'data-std="{g["metrics"]["final_avg_acc"]["std"]!r}"' in html
+    unsorted, up, down = page["sort"]
+    assert sorted(unsorted, key=float) == up and up == sorted(up, key=float) and down == up[::-1]
     m = json.loads((out / "runs" / "vpt_nsp2__s1_o1" / "metrics.json").read_text())
     assert m["meta"]["order_unit"] == "class" and len(m["first_task_loss"]) == 2
     assert all(np.isfinite(m["first_task_loss"]))

@@ -88,3 +88,41 @@ def test_study_rule_takes_the_best_validation_setting_unless_the_gap_is_inside_t
     assert select([near, own], tmp_path)["lora"] is own  # 1.5 points better, inside a 2-point spread
     assert select([near, own, far], tmp_path)["lora"] is far  # 10 points better: the rule moves the default
     assert select([row(0.006, 65.0, 1.0), own], tmp_path)["lora"]["setting"] == {"train.lr": 0.006}
+
+
+def test_the_study_page_holds_its_tables_and_figures_and_opens_offline(tmp_path):
+    """``write_study`` writes ``<out>.html`` beside ``<out>.md``: the selection table (the chosen row marked) and
+    the test-split table, every mean and std as the aggregates hold them, sortable, and the figures inlined; in
+    headless Chromium: no console message, no request."""
+    import json
+
+    import browser
+
+    from mcit.studies.study import write_study
+
+    def group(lr: float, base: float, std: float) -> dict:
+        metrics = {k: {"mean": base - 7 * i, "std": std, "values": []}
+                   for i, k in enumerate(["final_avg_acc", "forgetting", "bwt", "fwd"])}
+        return {"config": "tiny_mcit_lora", "method": "lora", "setting": {"train.lr": lr},
+                "setting_label": f"train.lr={lr}", "n": 3, "points": [], "metrics": metrics,
+                "acc_matrix_mean": [[80.0, 10.0], [60.0, 70.0]], "tasks": ["a", "b"]}
+
+    sweeps = {}
+    for name, groups in (("sel", [group(0.002, 60.0, 2.0), group(0.02, 71.5, 1.0)]), ("fin", [group(0.02, 69.0, 1.5)])):
+        sweeps[name] = tmp_path / name
+        sweeps[name].mkdir()
+        (sweeps[name] / "aggregate.json").write_text(json.dumps({"sweep": name, "groups": groups}))
+    text, made = write_study([sweeps["sel"]], sweeps["fin"], tmp_path / "study")
+    page_file = tmp_path / "study.html"
+    assert page_file in made and (tmp_path / "study.md").is_file()
+    html = page_file.read_text()
+    assert html.count("(chosen)") == 1 and "train.lr=0.02 <b" in html  # 11.5 points better: outside the noise
+    assert html.count("data:image/png;base64,") == len(made) - 1 and "http" not in html.replace("http://www.w3.org", "")
+    assert browser.missing() is None, browser.missing()
+    page = browser.open_report(page_file, tmp_path / "study.png")
+    assert page["console"] == [] and page["requests"] == []
+    rows = page["tables"]["study"]
+    assert [float(r["final_avg_acc"]) for r in rows] == [60.0, 71.5, 69.0]
+    assert [float(r["forgetting"]) for r in rows] == [53.0, 64.5, 62.0]
+    unsorted, up, down = page["sort"]
+    assert up == sorted(unsorted, key=float) and down == up[::-1]
