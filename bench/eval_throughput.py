@@ -22,6 +22,11 @@ from it), before the first batch (the stream's start and the batch collated in-p
 between batches (waiting for the loader, scoring, gathering, writing the answers): what to look at on a device
 where the ratio falls short.
 
+On a CPU, the bare paths prepare no data and the pipeline's loader workers share the cores with generation:
+`make bench` runs this with one torch thread, so the workers have the other core as they have a GPU node's CPU
+cores (there the ratio measures the pipeline's own feeding, gathering and writing); with torch on every core it
+also measures the data preparation's CPU share (README: benchmark notes).
+
     python bench/eval_throughput.py [--config configs/tiny_mcit_fwd_prompt.yaml] [--rounds 3] [key=value ...]
 """
 
