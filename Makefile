@@ -30,7 +30,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed pyproject.toml
-	$(BIN)/pip install -qq --disable-pip-version-check -e ".[test,lmms]" torch==2.13.0
+	$(BIN)/pip install -qq --disable-pip-version-check -e ".[test,lmms,trackers]" torch==2.13.0
 	$(BIN)/pip install -qq --disable-pip-version-check --no-deps lmms-eval==0.7.3
 	PATH=$(abspath $(BIN)):$$PATH $(BIN)/python -m mcit.core.extensions --ops CPUAdamBuilder  # ZeRO-offload's (tests run it)
 	# headless Chromium for the report.html tests (Debian's packages; selenium drives it, nothing downloaded later)

@@ -331,6 +331,47 @@ class MethodConfig(BaseModel):
         return METHODS.get(self.name).Params.model_validate(self.model_extra or {})
 
 
+TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}  # log.report_to: its module
+
+
+def tracker_installed(name: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(TRACKERS[name]) is not None
+    except (ImportError, ValueError):  # a module set to None in sys.modules: not importable
+        return False
+
+
+class LogConfig(_Strict):
+    """Where rank 0 reports besides logs/train.jsonl (mcit.run.trackers)."""
+
+    report_to: list[str] | str = Field(
+        "none", validate_default=True,
+        description="experiment trackers, transformers' names and meaning: a list of tensorboard, wandb, mlflow; all "
+                    "(every one installed); none. The config, training scalars, each committed row and the final "
+                    "metrics; a resumed run continues the same tracker run")
+    project: str = Field("mcit", description="W&B project / MLflow experiment (WANDB_PROJECT / "
+                                             "MLFLOW_EXPERIMENT_NAME win where set)")
+
+    @field_validator("report_to")
+    @classmethod
+    def _trackers(cls, v: list[str] | str) -> list[str]:
+        """The trackers as a list: all = the installed ones; one that is named and not installed is an error here,
+        before any work (pip install 'mcit[trackers]')."""
+        names = [v] if isinstance(v, str) else list(v)
+        if names in (["none"], []):
+            return []
+        if names == ["all"]:
+            return [n for n in TRACKERS if tracker_installed(n)]
+        for n in names:
+            if n not in TRACKERS:
+                raise ValueError(f"unknown tracker {n!r} (known: {', '.join(TRACKERS)}, all, none)")
+            if not tracker_installed(n):
+                raise ValueError(f"{n} is not installed (pip install {TRACKERS[n]}, or pip install 'mcit[trackers]')")
+        return list(dict.fromkeys(names))
+
+
 class RunConfig(_Strict):
     name: str
     run_dir: str | None = None
@@ -340,6 +381,7 @@ class RunConfig(_Strict):
     method: MethodConfig
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
+    log: LogConfig = LogConfig()
     meta: dict[str, Any] = Field(
         default_factory=dict, description="labels recorded with the run and copied into metrics.json (a sweep "
                                           "puts its setting, seed and task order here); no effect on training")

@@ -29,8 +29,9 @@ def _show(message, category, filename, lineno, file=None, line=None) -> None:  #
     logging.getLogger("py.warnings").warning("%s:%s: %s: %s", filename, lineno, category.__name__, message)
 
 
-def _reroute(name: str) -> None:
-    """A library logger with its own console handler (DeepSpeed's) hands its records to the root instead."""
+def reroute(name: str) -> None:
+    """A library logger with its own console handler (DeepSpeed's, MLflow's) hands its records to the root
+    instead: to the rank log."""
     lg = logging.getLogger(name)
     for h in list(lg.handlers):
         lg.removeHandler(h)
@@ -54,7 +55,7 @@ def quiet_libraries() -> None:
     hf_logging.disable_default_handler()
     hf_logging.enable_propagation()
     hf_logging.disable_progress_bar()
-    _reroute("DeepSpeed")
+    reroute("DeepSpeed")
 
 
 def log_to(path: Path) -> Path:
@@ -74,7 +75,7 @@ def log_to(path: Path) -> Path:
     current.close()  # type: ignore[union-attr]
     root.addHandler(handler)
     _state["buffer"] = handler  # quiet_libraries stays done
-    _reroute("DeepSpeed")  # created when deepspeed was first imported, possibly after quiet_libraries
+    reroute("DeepSpeed")  # created when deepspeed was first imported, possibly after quiet_libraries
     return path
 
 

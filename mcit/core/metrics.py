@@ -83,6 +83,10 @@ def format_matrix(tasks: list[str], acc: list[list[float]], zero_shot: list[floa
 
 
 MCITLIB = {"mft": "MFT", "mfn": "MFN", "maa": "MAA", "bwt": "BWT"}  # MCITlib's column names
+# A run's final metrics (``compute``'s keys), in the order reports show them
+FINAL_METRICS = ("final_avg_acc", "final_avg_acc_task_mean", "avg_incremental_acc",
+                 "avg_incremental_acc_sample_weighted", "forgetting", "forgetting_mammoth", "bwt", "fwd", "mft", "mfn",
+                 "maa")
 
 
 def format_summary(m: dict[str, Any]) -> str:

@@ -8,7 +8,9 @@
       state.json                         the commit point: completed stages, current method state
       metrics.json  report.md  report.html  acc_matrix.png
       PREEMPT                            a stop request (written by the Slurm scripts' trap)
-      logs/train.jsonl  logs/tb/         the training log (rank 0), TensorBoard
+      logs/train.jsonl                   the training log (rank 0; each record with its global_step)
+      logs/trackers.json  logs/tb/  logs/wandb/  logs/mlruns/   the trackers of log.report_to: their run ids,
+                                         TensorBoard's events, W&B's and MLflow's local stores
       eval/zero_shot.json                accuracy-matrix rows: the zero-shot row ...
       eval/after_task_<t>.json           ... and the row after each task
       eval/answers/<row>/<task>.jsonl    generated answers (instruction tasks; <task>.metrics.json: a

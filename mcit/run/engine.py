@@ -49,26 +49,63 @@ def data_seed(seed: int, task: int, epoch: int, rank: int) -> int:
 
 
 class JsonlLogger:
-    """Rank-0 JSONL log (and TensorBoard when it is installed)."""
+    """Rank 0's training log, ``logs/train.jsonl``, and the run's experiment trackers (``mcit.run.trackers``).
 
-    def __init__(self, path: Path | None, tb_dir: Path | None = None) -> None:
+    Each training record gets a ``global_step``: the optimizer steps of the whole sequence, segment after segment
+    (a segment is one task's training, or one phase of it: ``segment`` is set by the pipeline), so the trackers
+    draw one curve over the sequence. The offsets are rebuilt from the file when a run resumes; a step already
+    in the file (a resumed task training again from its last step checkpoint) goes to the file again but not to
+    the trackers."""
+
+    def __init__(self, path: Path | None) -> None:
         self.path = path
-        self.tb = None
+        self.trackers: Any = None  # mcit.run.trackers.Trackers, set by the pipeline on rank 0
+        self.segment = ""
+        self.order: list[str] = []  # the segments in the order they first logged
+        self.ends: dict[str, int] = {}  # each segment's last step
+        self.task_end: dict[int, int] = {}  # each task's last global step (a row's step in the trackers)
+        self.records: list[dict[str, Any]] = []  # the training records of earlier launches, one per global step
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
-            if tb_dir is not None:
-                try:
-                    from torch.utils.tensorboard import SummaryWriter
+            seen: set[int] = set()
+            if path.is_file():
+                for line in path.read_text().splitlines():
+                    try:
+                        r = json.loads(line)
+                    except ValueError:  # a line cut by a kill
+                        continue
+                    if "global_step" in r:
+                        self._place(r)
+                        if r["global_step"] not in seen:
+                            seen.add(r["global_step"])
+                            self.records.append(r)
 
-                    self.tb = SummaryWriter(str(tb_dir))
-                except Exception:  # noqa: BLE001 - tensorboard is optional
-                    self.tb = None
+    def _place(self, record: dict[str, Any]) -> int:
+        seg = str(record.get("segment", record.get("task")))
+        if seg not in self.order:
+            self.order.append(seg)
+        offset = sum(self.ends.get(s, 0) for s in self.order[:self.order.index(seg)])
+        step = int(record["step"])
+        self.ends[seg] = max(self.ends.get(seg, 0), step)
+        g = offset + step
+        task = int(record["task"])
+        self.task_end[task] = max(self.task_end.get(task, 0), g)
+        return g
+
+    @property
+    def last_step(self) -> int:
+        """The last global step logged (0 before any)."""
+        return max(self.task_end.values(), default=0)
 
     def log(self, record: dict[str, Any], step: int | None = None) -> None:
-        """Append one record. A log that cannot be written (full disk) is not a reason to lose the run: one
-        warning, logging stops, and the next checkpoint or state write stops the run naming the file."""
+        """Append one record (a training record, ``step`` given: with its segment and global step, then to the
+        trackers). A log that cannot be written (full disk) is not a reason to lose the run: one warning,
+        logging stops, and the next checkpoint or state write stops the run naming the file."""
         if self.path is None:
             return
+        if step is not None and "task" in record:
+            record = {**record, "segment": self.segment or str(record["task"])}
+            record["global_step"] = self._place(record)
         try:
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
@@ -77,14 +114,19 @@ class JsonlLogger:
                   file=sys.stderr, flush=True)
             self.path = None
             return
-        if self.tb is not None and step is not None:
-            for k, v in record.items():
-                if isinstance(v, (int, float)) and k not in ("task", "epoch", "step"):
-                    self.tb.add_scalar(f"task{record.get('task', 0)}/{k}", v, step)
+        if self.trackers is not None and "global_step" in record:
+            self.trackers.train_record(record)
 
     def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
+        """The trackers' runs finished (also when the launch is failing: a tracker's own error is a warning then,
+        not the news)."""
+        if self.trackers is not None:
+            trackers, self.trackers = self.trackers, None
+            try:
+                trackers.close()
+            except Exception as e:  # noqa: BLE001
+                print(f"warning: closing the experiment trackers: {e.__class__.__name__}: {e}", file=sys.stderr,
+                      flush=True)
 
 
 StepCallback = Callable[[int, int, Any], None]

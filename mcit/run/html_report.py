@@ -34,8 +34,6 @@ from mcit.core.rundir import RunDir
 REPORT_SAMPLES = 200  # per task and direction (forgotten / recovered): the page stays small for 100k-question splits
 REPORT_PAGE = 20
 THUMBNAIL_PX = 96
-RUN_METRICS = ("final_avg_acc", "final_avg_acc_task_mean", "avg_incremental_acc", "avg_incremental_acc_sample_weighted",
-               "forgetting", "forgetting_mammoth", "bwt", "fwd", "mft", "mfn", "maa")
 DESCRIPTIONS = {
     "final_avg_acc": "accuracy over every test sample after the last task",
     "final_avg_acc_task_mean": "mean of the last row",
@@ -352,7 +350,7 @@ def run_html(run_dir: Path, splits: list[Any] | None = None) -> str:
             f"{esc(m.get('evaluated_on', 'test'))}</p>")
     metric_rows = "".join(
         f'<tr><td class="l">{esc(k)}{f" ({M.MCITLIB[k]})" if k in M.MCITLIB else ""}</td>{num(k, m.get(k))}'
-        f'<td class="l small">{esc(DESCRIPTIONS[k])}</td></tr>' for k in RUN_METRICS if k in m)
+        f'<td class="l small">{esc(DESCRIPTIONS[k])}</td></tr>' for k in M.FINAL_METRICS if k in m)
     metrics = (f'<h2>Metrics</h2><table class="metrics"><thead><tr><th class="l">metric</th><th>value (%)</th>'
                f'<th class="l">what it is</th></tr></thead><tbody>{metric_rows}</tbody></table>')
     cols = "".join(f"<th>{esc(t)}</th>" for t in tasks)

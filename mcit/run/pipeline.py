@@ -27,7 +27,7 @@ from mcit.core import preemption
 from mcit.core.checkpoint import atomic_write_text, load_state, read_json, save_state, write_json
 from mcit.core.config import dump_config
 from mcit.core.registry import METHODS
-from mcit.core.rundir import RunDir
+from mcit.core.rundir import RunDir, row_tag
 from mcit.data.loader import eval_batches
 from mcit.data.shards import DataError, Split
 from mcit.run.deferred import Workers
@@ -140,6 +140,8 @@ class Pipeline:
 
     def stage_train(self, t: int, phase: str = "") -> None:
         key = f"{t}/train" + (f".{phase}" if phase else "")
+        if self.logger is not None:
+            self.logger.segment = key  # the training records' segment: their global steps follow the sequence
         cfg = self.cfg
         overrides = self.host.method.phase_train(phase)
         if overrides:  # this phase's own epochs / lr / optimizer (validated like the config)
@@ -196,8 +198,39 @@ class Pipeline:
 
         dist.on_main(write)
         self._mark(f"{t}/commit")
+        dist.on_main(self._track)
         if self.workers is not None:
             self._hand_off()
+
+    # -- trackers -------------------------------------------------------------------------------------
+    def _trackers(self) -> Any:
+        """Rank 0's experiment trackers (``log.report_to``), continuing the run's own where it resumes."""
+        from mcit.run.trackers import Trackers
+
+        names = list(self.cfg.log.report_to)  # validated: installed ones only
+        if not names:
+            return None
+        return Trackers(names, self.run_dir, self.cfg.name, self.cfg.log.project, self.cfg.model_dump(mode="json"),
+                        self.logger.records, self._row_steps())
+
+    def _row_steps(self) -> list[tuple[str, int]]:
+        """(row tag, global step) of every row the trackers show: the zero-shot row at 0, the row after a task at the
+        step its training ended."""
+        return [("zero_shot", 0)] + [(row_tag(t), self.logger.task_end.get(t, self.logger.last_step))
+                                     for t in range(self.plan.num_stages)]
+
+    def _track(self) -> None:
+        """Rank 0: the committed rows the trackers do not have yet, and once the run is complete its metrics."""
+        trackers = self.logger.trackers if self.logger else None
+        if trackers is None:
+            return
+        rd, names = self.run_dir, self.plan.names
+        for (tag, step), t in zip(self._row_steps(), [None, *range(self.plan.num_stages)]):
+            if rd.row(t).is_file():
+                trackers.row(tag, names, read_json(rd.row(t))["acc"], step)
+        if rd.metrics.is_file() and read_json(rd.metrics).get("complete"):
+            trackers.final(read_json(rd.metrics), self.logger.last_step)
+        trackers.commit()
 
     # -- deferred evaluation ----------------------------------------------------------------------------
     def _committed_rows(self) -> list[str]:
@@ -241,47 +274,50 @@ class Pipeline:
 
         dist.on_main(start)
         self.state = rd.read_state() or self.state
-        self.logger = JsonlLogger(rd.train_log if dist.is_main() else None, rd.tensorboard)
-        self.host.build()
-        if self.state.get("method_state"):
-            self.host.load(load_state(rd.root / self.state["method_state"]))
-            self._say(f"resuming {rd.root}: {len(self.state['completed'])} stages done")
-        if dist.is_main():
-            preemption.clear(rd.preempt_request)  # a request that stopped an earlier job is done with
-        dist.barrier()
-        if self.workers is not None and self.state["completed"]:  # rows a killed launch left to dead workers
-            self._hand_off()
-        for key in stage_keys(self.plan):
-            if key in self.state["completed"]:
-                continue
-            if preemption.agreed(rd.preempt_request):
-                raise preemption.Preempted(f"before stage {key} (stages up to it committed)")
-            try:
-                if key in ("zero_shot", "reference"):
-                    getattr(self, f"stage_{key}")()
+        self.logger = JsonlLogger(rd.train_log if dist.is_main() else None)
+        self.logger.trackers = dist.on_main(self._trackers)
+        try:
+            self.host.build()
+            if self.state.get("method_state"):
+                self.host.load(load_state(rd.root / self.state["method_state"]))
+                self._say(f"resuming {rd.root}: {len(self.state['completed'])} stages done")
+            if dist.is_main():
+                preemption.clear(rd.preempt_request)  # a request that stopped an earlier job is done with
+            dist.barrier()
+            if self.workers is not None and self.state["completed"]:  # rows a killed launch left to dead workers
+                self._hand_off()
+            for key in stage_keys(self.plan):
+                if key in self.state["completed"]:
                     continue
-                t, stage = key.split("/")
-                stage, _, phase = stage.partition(".")
-                getattr(self, f"stage_{stage}")(int(t), *([phase] if phase else []))
-            except RuntimeError as e:
-                if _is_collective_failure(e):
-                    raise CollectiveError(f"stage {key}: a collective did not complete on rank {dist.rank()} "
-                                          f"({str(e).strip().splitlines()[0][:300]}); another rank died or hangs "
-                                          f"(train.collective_timeout_s={self.cfg.train.collective_timeout_s:g})"
-                                          ) from None
-                raise
-            if stage == "commit" and dist.is_main() and self.workers is not None:
-                self._say(f"task {t} ({self.plan.stage_names[int(t)]}) committed; its row goes to an evaluation "
-                          f"worker")
-            elif stage == "commit" and dist.is_main():
-                acc, _, _ = rows(self.plan, int(t) + 1)
-                seen = len(self.plan.names) if self.cfg.data.schedule == "joint" else int(t) + 1
-                self._say(f"task {t} ({self.plan.stage_names[int(t)]}) committed: acc on seen tasks "
-                          + " ".join(f"{a:.1f}" for a in acc[-1][:seen]))
-        if self.workers is not None:
-            self._wait_rows()
-        dist.on_main(lambda: write_json(rd.state, {**self.state, "finished": True}))
-        self.state["finished"] = True
-        if self.logger:
+                if preemption.agreed(rd.preempt_request):
+                    raise preemption.Preempted(f"before stage {key} (stages up to it committed)")
+                try:
+                    if key in ("zero_shot", "reference"):
+                        getattr(self, f"stage_{key}")()
+                        continue
+                    t, stage = key.split("/")
+                    stage, _, phase = stage.partition(".")
+                    getattr(self, f"stage_{stage}")(int(t), *([phase] if phase else []))
+                except RuntimeError as e:
+                    if _is_collective_failure(e):
+                        raise CollectiveError(f"stage {key}: a collective did not complete on rank {dist.rank()} "
+                                              f"({str(e).strip().splitlines()[0][:300]}); another rank died or hangs "
+                                              f"(train.collective_timeout_s={self.cfg.train.collective_timeout_s:g})"
+                                              ) from None
+                    raise
+                if stage == "commit" and dist.is_main() and self.workers is not None:
+                    self._say(f"task {t} ({self.plan.stage_names[int(t)]}) committed; its row goes to an evaluation "
+                              f"worker")
+                elif stage == "commit" and dist.is_main():
+                    acc, _, _ = rows(self.plan, int(t) + 1)
+                    seen = len(self.plan.names) if self.cfg.data.schedule == "joint" else int(t) + 1
+                    self._say(f"task {t} ({self.plan.stage_names[int(t)]}) committed: acc on seen tasks "
+                              + " ".join(f"{a:.1f}" for a in acc[-1][:seen]))
+            if self.workers is not None:
+                self._wait_rows()
+            dist.on_main(self._track)
+            dist.on_main(lambda: write_json(rd.state, {**self.state, "finished": True}))
+            self.state["finished"] = True
+        finally:  # however the launch ends: the trackers' runs finished, their marks kept (mcit.run.trackers)
             self.logger.close()
         return read_json(rd.metrics)

@@ -109,6 +109,9 @@ def build_case(case: str, assets, work: Path, cfg: Path, done: Path, open_dir: P
         return run(["method.name=coda_prompt", "method.layers=[1,1]"], "method.layers: block indices repeat: [1, 1]")
     if case == "unknown_transform":
         return run(["data.train_transform=crops"], "data.train_transform: unknown preset 'crops'", also=["l2p", "coda"])
+    if case == "unknown_tracker":
+        return run(["log.report_to=[wandb,comet]"], "log.report_to: unknown tracker 'comet'",
+                   also=["known: tensorboard, wandb, mlflow, all, none"])
     if case == "negative_workers":
         return run(["data.num_workers=-1"], "data.num_workers: Input should be greater than or equal to 0")
     if case == "empty_tasks":
@@ -379,7 +382,7 @@ CASES = [
     "second_config_bad", "two_configs_one_run_dir", "run_dir_flag_with_two_configs",
     "unknown_key", "misspelt_section", "type_epochs", "range_epochs", "range_lr", "choice_optimizer", "unknown_method",
     "unknown_method_key", "l2p_top_k", "dualprompt_layer", "coda_pool", "repeated_layers", "empty_tasks",
-    "unknown_transform", "negative_workers",
+    "unknown_transform", "negative_workers", "unknown_tracker",
     "unknown_task", "backbone_kind", "duplicate_key", "config_missing", "config_not_yaml", "config_a_list",
     "config_missing_section", "override_without_equals", "override_bad_value", "override_into_a_value",
     "deepspeed_stage_7", "deepspeed_missing", "deepspeed_not_json", "deepspeed_batch_conflict", "run_dir_is_a_file",

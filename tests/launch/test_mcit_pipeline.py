@@ -100,23 +100,30 @@ def test_killed_mcit_run_resumes_to_identical_answers(mcit_assets, z3_run):
     """Every rank killed after step 3 of task 1 under ZeRO-3 (checkpoint_every=2): the re-run resumes
     from step 2. That re-run is killed (SIGKILL, each rank) in the middle of the last row's first test split, right
     after committing its first chunk of answers (4 samples); the next one answers only the samples no chunk holds
-    and ends with the uninterrupted run's rows and answers."""
-    cfg = mcit_config(mcit_assets, z3_run, "killed", **Z3, eval={"chunk_size": 4})
-    r = launch(["--config", str(cfg)], launcher="deepspeed", nproc=2, entry=FAULTY, MCIT_TEST_FAULT="1:3")
+    and ends with the uninterrupted run's rows and answers. The three launches report to W&B (offline), MLflow (a
+    local file store) and TensorBoard: one tracker run each, every training step once with the training log's
+    numbers, each row and the final metrics of metrics.json."""
+    cfg = mcit_config(mcit_assets, z3_run, "killed", method=Z3["method"], train={**Z3["train"], "log_every": 1},
+                      eval={"chunk_size": 4}, log={"report_to": ["tensorboard", "wandb", "mlflow"]})
+    store = (z3_run / "mlruns").as_uri()
+    trackers = {"WANDB_MODE": "offline", "MLFLOW_TRACKING_URI": store, "MLFLOW_ALLOW_FILE_STORE": "true"}
+    r = launch(["--config", str(cfg)], launcher="deepspeed", nproc=2, entry=FAULTY, MCIT_TEST_FAULT="1:3",
+               **trackers)
     assert r.returncode != 0
     killed = z3_run / "runs" / "killed"
     state = json.loads((killed / "state.json").read_text())
     assert ("reference" in state["completed"] and "0/commit" in state["completed"]
             and "1/train" not in state["completed"])
     assert json.loads((killed / "checkpoints/task_1/steps/committed.json").read_text())["global_step"] == 2
-    r = launch(["--config", str(cfg)], launcher="deepspeed", nproc=2, entry=FAULTY, MCIT_TEST_EVAL_KILL="2:0:1")
+    r = launch(["--config", str(cfg)], launcher="deepspeed", nproc=2, entry=FAULTY, MCIT_TEST_EVAL_KILL="2:0:1",
+               **trackers)
     assert r.returncode != 0
     state = json.loads((killed / "state.json").read_text())
     assert "1/subspace" in state["completed"] and "1/eval" not in state["completed"]
     chunks = list((killed / "eval" / "cells").rglob("chunks/*.jsonl"))
     held = {json.loads(x)["key"] for f in chunks for x in f.read_text().splitlines()}
     assert len(chunks) in (1, 2) and len(held) == 4 * len(chunks)  # one chunk of 4 per rank that got there
-    r = launch(["--config", str(cfg)], launcher="deepspeed", nproc=2)
+    r = launch(["--config", str(cfg)], launcher="deepspeed", nproc=2, **trackers)
     assert r.returncode == 0, r.stderr[-3000:]
     cells = json.loads((killed / "eval" / "after_task_1.json").read_text())["cells"]
     assert [(c["reused"], c["computed"]) for c in cells] == [(len(held), 24 - len(held)), (0, 24)]
@@ -127,6 +134,45 @@ def test_killed_mcit_run_resumes_to_identical_answers(mcit_assets, z3_run):
     for task in ("0", "1"):
         a = (killed / "eval" / "answers" / "after_task_1" / f"{task}.jsonl").read_text()
         assert a == (z3_run / "runs" / "z3" / "eval" / "answers" / "after_task_1" / f"{task}.jsonl").read_text()
+    _trackers_hold_the_logs(killed, got, store)
+
+
+def _trackers_hold_the_logs(run, metrics: dict, store: str) -> None:
+    """W&B's offline files, MLflow's file store and TensorBoard's events of a killed and resumed run: one run
+    each; each training step once, with the value the training log holds for it (the resumed task's redone
+    steps are in the log twice, not in the trackers); each row at the step its task ended; the final metrics."""
+    import os
+
+    from trackers_logged import mlflow_series, tensorboard_series, wandb_series
+
+    from mcit.core.metrics import FINAL_METRICS
+
+    logged = [r for r in map(json.loads, (run / "logs" / "train.jsonl").read_text().splitlines()) if "global_step" in r]
+    first: dict[int, dict] = {}
+    for r in logged:
+        first.setdefault(r["global_step"], r)
+    assert len(logged) > len(first)  # the resumed task logged the steps after its step checkpoint again
+    assert sorted(first) == list(range(1, len(first) + 1))  # the sequence's steps, task after task
+    ends = {r["task"]: g for g, r in sorted(first.items())}
+    loss = [(g, r["loss"]) for g, r in sorted(first.items())]
+    rows = {n: [(0, metrics["zero_shot"][i])] + [(ends[t], metrics["acc_matrix"][t][i]) for t in range(2)]
+            for i, n in enumerate(metrics["tasks"])}
+    final = {f"final/{k}": [(ends[1], metrics[k])] for k in FINAL_METRICS if metrics.get(k) is not None}
+    os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
+    w, ids = wandb_series(run / "logs")
+    m, runs = mlflow_series(store, "mcit")
+    tb = tensorboard_series(run / "logs" / "tb")
+    assert len(ids) == 1 and len(runs) == 1
+    def same(got: list, want: list) -> bool:  # steps exactly, values to TensorBoard's float32
+        return [g for g, _ in got] == [g for g, _ in want] and \
+            [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-6)
+
+    for name, series in (("wandb", w), ("mlflow", m), ("tensorboard", tb)):
+        assert same(series["train/loss"], loss), (name, series["train/loss"], loss)
+        for n, want in rows.items():
+            assert same(series[f"eval/{n}"], want), (name, n, series[f"eval/{n}"], want)
+        got = {k: v for k, v in series.items() if k.startswith("final/")}
+        assert got.keys() == final.keys() and all(same(got[k], final[k]) for k in final), name
 
 
 def test_lora_family_rebuilt_between_tasks_trains_from_its_loaded_state(mcit_assets, tmp_path):

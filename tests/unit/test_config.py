@@ -189,3 +189,22 @@ def test_the_optimizer_takes_the_configured_lr_decay_and_momentum(tmp_path, name
     assert type(opt).__name__ == cls and g["lr"] == 0.0123 and g["weight_decay"] == 0.034
     if name == "sgd":
         assert g["momentum"] == 0.55
+
+
+def test_log_report_to_takes_transformers_names_and_refuses_a_tracker_that_is_not_installed(tmp_path, monkeypatch):
+    """log.report_to as transformers reads it: a list, all (the installed ones), none; a named tracker that cannot be
+    imported stops the config in one line naming the key and the package (the test machine has all three:
+    ``make install-test``; one is made unimportable here as Python marks a missing module)."""
+    import sys
+
+    def report_to(value):
+        return load_config(write(tmp_path, {**BASE, "log": {"report_to": value}})).log.report_to
+
+    assert report_to("none") == [] and load_config(write(tmp_path, BASE)).log.report_to == []
+    assert report_to("all") == ["tensorboard", "wandb", "mlflow"]
+    assert report_to(["mlflow", "wandb"]) == ["mlflow", "wandb"]
+    monkeypatch.setitem(sys.modules, "mlflow", None)
+    assert report_to("all") == ["tensorboard", "wandb"]
+    with pytest.raises(ConfigError, match=r"log.report_to: mlflow is not installed \(pip install mlflow, or pip "
+                                          r"install 'mcit\[trackers\]'\)"):
+        report_to(["wandb", "mlflow"])
