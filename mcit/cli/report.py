@@ -13,6 +13,12 @@ lines say where. ``--html`` (re)writes it for each run directory and each sweep 
 before the page existed):
 
     mcit-report --html runs/tiny_mcit_lora runs/sweeps/digits_l2p
+
+``--published FILE`` (``published/*.yaml``; format: ``mcit/studies/published.py``) adds the numbers a paper prints
+beside ours (a run's value, a sweep's mean ± std) and Δ, to the printed tables and, with ``--html``, to the pages.
+A wrong metric name, or a method the runs lack for a benchmark they cover, is a one-line error:
+
+    mcit-report --published published/norga.yaml runs/sweeps/cifar100_10
 """
 
 from __future__ import annotations
@@ -31,13 +37,25 @@ def main(argv: list[str] | None = None) -> int:
                     help="add a zero-shot column: the averages of this run's zero-shot row")
     ap.add_argument("--html", action="store_true",
                     help="write report.html for each run or sweep directory given, and print where each is")
+    ap.add_argument("--published", action="append", type=Path, default=[], metavar="FILE",
+                    help="a published file (published/*.yaml): add the published / ours / delta table (repeatable)")
     args = ap.parse_args(argv)
-    from mcit.studies.report import comparison, unfinished, write_html
+    from mcit.studies.report import comparison, published_table, unfinished, write_html
 
     made: list[Path] = []
+    table, pairs = "", []
+    if args.published:
+        from mcit.studies.published import PublishedError
+
+        try:
+            table, pairs = published_table(args.published, args.run_dirs)
+        except PublishedError as e:  # a bad file, a metric or a method the runs lack: one line, exit 2
+            return common.fail(str(e))
+        except Exception as e:  # noqa: BLE001 - an unreadable run: one line, exit 2
+            return common.before_launch(e)
     if args.html:
         try:
-            made, skipped = write_html(args.run_dirs)
+            made, skipped = write_html(args.run_dirs, pairs)
         except Exception as e:  # noqa: BLE001 - an unreadable run or sweep: one line, exit 2
             return common.before_launch(e)
         if not made:
@@ -52,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
                 return common.before_launch(e)
             text, skipped = "", [str(e)]
         print(text)
+    if table:
+        print(table)
     pages = made or [d / "report.html" for d in runs if (d / "report.html").is_file() and unfinished(d) is None]
     for path in pages:
         print(f"HTML report: {path}")

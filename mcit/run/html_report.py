@@ -336,8 +336,9 @@ def test_splits(run: RunDir) -> list[Any]:
     return out
 
 
-def run_html(run_dir: Path, splits: list[Any] | None = None) -> str:
-    """The page of a finished run (``splits``: its test splits, when the caller has them open)."""
+def run_html(run_dir: Path, splits: list[Any] | None = None, extra: str = "") -> str:
+    """The page of a finished run (``splits``: its test splits, when the caller has them open; ``extra``: more
+    sections, e.g. ``published_html``)."""
     run = RunDir(run_dir)
     m = json.loads(run.metrics.read_text())
     tasks, acc, zs = m["tasks"], m["acc_matrix"], m.get("zero_shot")
@@ -377,13 +378,13 @@ def run_html(run_dir: Path, splits: list[Any] | None = None) -> str:
                    + "".join(f'<tr><td class="l">{esc(tag)}</td>'
                              + "".join(num(f"general.{tag}.{t}.{k}", (res.get(t) or {}).get(k), 4) for t, k in gcols)
                              + "</tr>" for tag, res in g.items()) + "</tbody></table>")
-    return page(title, head + metrics + matrix + figs + losses + general + forgotten_section(run, m, splits))
+    return page(title, head + metrics + extra + matrix + figs + losses + general + forgotten_section(run, m, splits))
 
 
-def write_run_html(run_dir: Path, splits: list[Any] | None = None) -> Path:
+def write_run_html(run_dir: Path, splits: list[Any] | None = None, extra: str = "") -> Path:
     """report.html of a finished run, written atomically beside report.md."""
     path = Path(run_dir) / "report.html"
-    atomic_write_text(path, run_html(run_dir, splits))
+    atomic_write_text(path, run_html(run_dir, splits, extra))
     return path
 
 
@@ -414,7 +415,7 @@ def bars_svg(groups: list[dict[str, Any]], keys: Iterable[str]) -> str:
     return svg(fig)
 
 
-def sweep_html(agg: dict[str, Any], table_metrics: list[str], mcitlib_metrics: list[str]) -> str:
+def sweep_html(agg: dict[str, Any], table_metrics: list[str], mcitlib_metrics: list[str], extra: str = "") -> str:
     """The page of a sweep from its aggregate (``mcit.studies.results.aggregate``)."""
     groups = [g for g in agg["groups"] if g["n"] > 0]
     keys = list(dict.fromkeys([*table_metrics, *mcitlib_metrics]))
@@ -444,7 +445,7 @@ def sweep_html(agg: dict[str, Any], table_metrics: list[str], mcitlib_metrics: l
                                                          f'{esc(f["reason"])}</td></tr>' for f in agg["failed"])
                   + "</tbody></table>")
     title = f"Sweep {agg['sweep']}"
-    return page(title, f"<h1>{esc(title)}</h1>" + table + figs + failed)
+    return page(title, f"<h1>{esc(title)}</h1>" + table + extra + figs + failed)
 
 
 
@@ -471,3 +472,21 @@ def study_html(title: str, sections: list[tuple[str, list[dict[str, Any]], set[i
     if images:
         parts.append('<h2>Figures</h2><div class="figs">' + "".join(png_img(p, p.stem) for p in images) + "</div>")
     return page(title, "".join(parts))
+
+
+# -- published numbers -------------------------------------------------------------------------------------------
+def published_html(pairs: list[tuple[Any, dict[str, Any]]]) -> str:
+    """The published / ours / Δ table (``mcit.studies.published.compare``'s pairs), sortable."""
+    if not pairs:
+        return ""
+    body = "".join(
+        f'<tr><td class="l">{esc(r.paper)}{f" (arXiv {esc(r.arxiv)})" if r.arxiv else ""}</td>'
+        f'<td class="l">{esc(r.table)}</td><td class="l">{esc(r.setting)}</td><td class="l">{esc(r.method)}</td>'
+        f'<td class="l">{esc(r.metric)}</td>{num("published", r.value)}{num("ours", o["mean"])}'
+        f'{num("delta", None if o["mean"] is None else o["mean"] - r.value)}'
+        f'<td class="l small">{esc(r.where)}</td></tr>'
+        for r, o in pairs)
+    return ('<h2>Published numbers beside ours</h2><p class="small">Δ = ours − published (percentage points)</p>'
+            '<table class="published sortable"><thead><tr><th class="l">paper</th><th class="l">table</th>'
+            '<th class="l">setting</th><th class="l">method</th><th class="l">metric</th><th>published</th>'
+            f'<th>ours</th><th>Δ</th><th class="l">where</th></tr></thead><tbody>{body}</tbody></table>')

@@ -86,22 +86,43 @@ def comparison(run_dirs: list[Path], zero_shot_of: Path | None = None) -> tuple[
     return "\n".join(parts), skipped
 
 
-def write_html(dirs: list[Path]) -> tuple[list[Path], list[str]]:
+def write_html(dirs: list[Path], published: list | None = None) -> tuple[list[Path], list[str]]:
     """report.html for each finished run or sweep directory (``aggregate.json``) in ``dirs`` (``mcit-report
-    --html``: runs and sweeps written before the page existed); the others are named in the second value."""
-    from mcit.run.html_report import sweep_html, write_run_html
+    --html``: runs and sweeps written before the page existed); the others are named in the second value.
+    ``published``: (row, ours) pairs (``mcit.studies.published.compare``): each page shows the rows of its runs."""
+    from mcit.run.html_report import published_html, sweep_html, write_run_html
     from mcit.studies.results import MCITLIB_METRICS, TABLE_METRICS
 
     made, skipped = [], []
     for d in dirs:
         if (d / "aggregate.json").is_file():
             agg = json.loads((d / "aggregate.json").read_text())
-            atomic_write_text(d / "report.html", sweep_html(agg, TABLE_METRICS, MCITLIB_METRICS))
+            mine = [p for p in published or [] if p[0].config_name in {g["config"] for g in agg["groups"]}]
+            atomic_write_text(d / "report.html",
+                              sweep_html(agg, TABLE_METRICS, MCITLIB_METRICS, published_html(mine)))
             made.append(d / "report.html")
             continue
         why = unfinished(d)
         if why is not None:
             skipped.append(f"{d}: {why}")
             continue
-        made.append(write_run_html(d))
+        name = load(d)["name"]
+        made.append(write_run_html(d, extra=published_html([p for p in published or []
+                                                             if p[0].config_name == name])))
     return made, skipped
+
+
+def published_table(files: list[Path], dirs: list[Path]) -> tuple[str, list]:
+    """``mcit-report --published``: the published / ours / Δ table of ``files``' rows against the finished runs and
+    sweeps in ``dirs``, and its (row, ours) pairs."""
+    from mcit.studies import published as P
+
+    runs = [load(d) for d in dirs if not (d / "aggregate.json").is_file() and unfinished(d) is None]
+    sweeps = [json.loads((d / "aggregate.json").read_text()) for d in dirs if (d / "aggregate.json").is_file()]
+    ours = P.ours_of(runs, sweeps)
+    pairs, skipped = [], 0
+    for f in files:
+        got, left = P.compare(P.load(f), ours)
+        pairs += got
+        skipped += left
+    return P.markdown(pairs, skipped), pairs

@@ -17,7 +17,7 @@ def _sweep(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=timeout)
 
 
-def test_local_sweep_runs_every_point_through_deepspeed_and_aggregates(assets, tmp_path):
+def test_local_sweep_runs_every_point_through_deepspeed_and_aggregates(assets, tmp_path, capsys):
     """2 methods x 2 seeds on a seeded class order of the embedded digits benchmark (tiny ViT, 2 tasks, 1
     epoch), each run through the DeepSpeed launcher (seeds x class orders also run as a Slurm job array in
     tests/launch/test_slurm.py). Then the same sweep plus a config that cannot run: only that point runs,
@@ -54,6 +54,7 @@ def test_local_sweep_runs_every_point_through_deepspeed_and_aggregates(assets, t
         assert f'data-std="{g["metrics"]["final_avg_acc"]["std"]!r}"' in html
     unsorted, up, down = page["sort"]
     assert sorted(unsorted, key=float) == up and up == sorted(up, key=float) and down == up[::-1]
+    _published_beside_the_sweep(out, agg, tmp_path, capsys)
     m = json.loads((out / "runs" / "vpt_nsp2__s1_o1" / "metrics.json").read_text())
     assert m["meta"]["order_unit"] == "class" and len(m["first_task_loss"]) == 2
     assert all(np.isfinite(m["first_task_loss"]))
@@ -71,3 +72,41 @@ def test_local_sweep_runs_every_point_through_deepspeed_and_aggregates(assets, t
     assert "## Points that did not finish" in (out / "aggregate.md").read_text()
     l2p = next(g for g in agg["groups"] if g["config"] == "l2p")
     assert l2p["n"] == 1 and l2p["metrics"]["final_avg_acc"]["std"] is None  # one run: no std
+
+
+def _published_beside_the_sweep(out, agg: dict, tmp_path, capsys) -> None:
+    """``mcit-report --published`` on the sweep: published, ours (mean ± std of the sweep) and Δ per row; a row of
+    another benchmark is left out and counted; a wrong metric name, or a method of a covered benchmark the sweep
+    lacks, is one line and exit 2."""
+    import yaml
+
+    from mcit.cli.report import main
+
+    g = {x["config"]: x["metrics"] for x in agg["groups"]}
+
+    def row(config, metric, value, benchmark="digits_2"):
+        return {"table": "Table 1", "setting": "digits, 2 tasks", "method": config.upper(), "benchmark": benchmark,
+                "metric": metric, "value": value, "where": "Table 1", "config": f"configs/{config}.yaml"}
+
+    def published(name, rows):
+        (tmp_path / name).write_text(yaml.safe_dump({"paper": "A paper", "arxiv": "2401.00001", "rows": rows}))
+        return tmp_path / name
+
+    good = published("good.yaml", [row("l2p", "final_avg_acc", 40.0), row("vpt_nsp2", "forgetting", 30.5),
+                                    row("coda_prompt", "final_avg_acc", 50.0, benchmark="cifar100_10")])
+    capsys.readouterr()
+    assert main(["--published", str(good), str(out)]) == 0
+    text = capsys.readouterr().out
+    l2p, vpt = g["l2p"]["final_avg_acc"], g["vpt_nsp2"]["forgetting"]
+    assert (f"| L2P | final_avg_acc | 40.00 | {l2p['mean']:.2f} ± {l2p['std']:.2f} | "
+            f"{l2p['mean'] - 40.0:+.2f} | l2p |") in text
+    assert (f"| VPT_NSP2 | forgetting | 30.50 | {vpt['mean']:.2f} ± {vpt['std']:.2f} | "
+            f"{vpt['mean'] - 30.5:+.2f} |") in text
+    assert "1 published rows of benchmarks not in this report left out" in text
+    for name, rows, expect in (
+            ("metric.yaml", [row("l2p", "accuracy", 40.0)], "row 0 (L2P, Table 1): unknown metric 'accuracy'"),
+            ("lacks.yaml", [row("l2p", "final_avg_acc", 40.0), row("coda_prompt", "final_avg_acc", 45.0)],
+             "row 1 (CODA_PROMPT, Table 1, digits_2): the report has no run of configs/coda_prompt.yaml")):
+        assert main(["--published", str(published(name, rows)), str(out)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and expect in err[0] and str(tmp_path / name) in err[0], err

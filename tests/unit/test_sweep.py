@@ -3,6 +3,8 @@ one line. (Launched sweeps: tests/launch/test_sweep_launch.py; the Slurm array: 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import yaml
@@ -126,3 +128,19 @@ def test_the_study_page_holds_its_tables_and_figures_and_opens_offline(tmp_path)
     assert [float(r["forgetting"]) for r in rows] == [53.0, 64.5, 62.0]
     unsorted, up, down = page["sort"]
     assert up == sorted(unsorted, key=float) and down == up[::-1]
+
+
+def test_the_shipped_published_files_load_and_each_matched_row_names_a_shipped_config_by_its_run_name():
+    """published/*.yaml (the seed papers' tables): every row checked by the loader, and a row's config a shipped
+    config whose run is named as its file (``mcit-report --published`` matches runs and sweep groups by it)."""
+    from mcit.core.config import load_config
+    from mcit.studies.published import load
+
+    files = sorted((ROOT / "published").glob("*.yaml"))
+    assert [f.name for f in files] == ["norga.yaml", "soft_tf.yaml"]
+    for f in files:
+        rows = load(f)
+        matched = [r for r in rows if r.config]
+        assert len(rows) > 100 and matched
+        for config in {r.config for r in matched}:
+            assert load_config(ROOT / config).name == Path(config).stem, config
