@@ -104,7 +104,7 @@ class JsonlLogger:
         if self.path is None:
             return
         if step is not None and "task" in record:
-            record = {**record, "segment": self.segment or str(record["task"])}
+            record = {**record, "step": record.get("step", step), "segment": self.segment or str(record["task"])}
             record["global_step"] = self._place(record)
         try:
             with open(self.path, "a") as f:

@@ -20,13 +20,28 @@ def test_data_seeds_differ_for_every_task_epoch_and_rank_and_fit_32_bits():
 
 
 def test_log_creates_its_folder_and_appends_across_restarts(tmp_path):
-    """A resumed run opens the same log again: the folder exists then, and the old lines stay."""
+    """A resumed run opens the same log again: the folder exists then, the old lines stay, and the global steps
+    continue the sequence: each segment (a task's training, or a phase of it) after the ones before, a resumed
+    segment at its own offset, a step it trains again at the same global step."""
     path = tmp_path / "run" / "logs" / "train.jsonl"
-    JsonlLogger(path).log({"task": 0, "loss": 1.5}, step=1)
-    again = JsonlLogger(path)
-    again.log({"task": 0, "loss": 1.25}, step=2)
-    assert [json.loads(line)["loss"] for line in path.read_text().splitlines()] == [1.5, 1.25]
-    assert again.tb is None and not (tmp_path / "runs").exists()  # no TensorBoard writer without tb_dir
+    first = JsonlLogger(path)
+    first.segment = "0/train"
+    for s in (1, 2, 3):
+        first.log({"task": 0, "step": s, "loss": 2.0 - s / 10}, step=s)
+    first.segment = "1/train.first"
+    first.log({"task": 1, "step": 1, "loss": 1.5}, step=1)
+    first.log({"task": 1, "step": 2, "loss": 1.4}, step=2)
+    again = JsonlLogger(path)  # a restart from task 1's step checkpoint 1: step 2 again, then on
+    assert again.task_end == {0: 3, 1: 5} and [r["global_step"] for r in again.records] == [1, 2, 3, 4, 5]
+    again.segment = "1/train.first"
+    again.log({"task": 1, "step": 2, "loss": 1.4}, step=2)
+    again.log({"task": 1, "step": 3, "loss": 1.25}, step=3)
+    again.segment = "1/train.second"  # a second phase: after the first one's three steps
+    again.log({"task": 1, "step": 1, "loss": 1.0}, step=1)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["loss"] for r in lines] == [1.9, 1.8, 1.7, 1.5, 1.4, 1.4, 1.25, 1.0]
+    assert [r["global_step"] for r in lines] == [1, 2, 3, 4, 5, 5, 6, 7]
+    assert again.trackers is None and not (tmp_path / "run" / "logs" / "tb").exists()  # no tracker configured
 
 
 class _Engine:
