@@ -31,7 +31,9 @@ class BackboneConfig(_Strict):
     kind: str = Field("vit", description="a registered backbone kind (mcit.models: vit, clip, and the multimodal "
                                          "LLM families llava, instructblip, qwen2_vl, qwen2_5_vl, qwen3_vl, internvl, "
                                          "llava_onevision; or one a module registers before the run)")
-    path: str
+    path: str = Field(
+        description="a local HF-format directory (config.json), a zoo checkpoint file (with a zoo tag), or a hub id "
+                    "with hub: true")
     tag: str = Field("local", description="a backbone zoo tag (mcit.models.zoo: `path` may then be the original "
                                           "checkpoint file, converted once and checked), or a free-form name for "
                                           "an HF directory; recorded with the checkpoint's sha256")
@@ -76,9 +78,9 @@ class BackboneConfig(_Strict):
 class TaskSpec(_Strict):
     """One task of the sequence: a train and a test split, each a directory with manifest.json."""
 
-    name: str
-    train: str
-    test: str
+    name: str = Field(description="the task's name in tables, rows and answer files")
+    train: str = Field(description="its training split: a shard directory with manifest.json (data_prep/)")
+    test: str = Field(description="its test split: a shard directory with manifest.json")
     scorer: str | None = Field(None, description="instruction tasks: overrides the manifest's scorer")
     epochs: int | None = Field(None, ge=1, description="this task's training epochs (default: train.epochs); "
                                                        "MLLM-DCL's official scripts give each domain its own")
@@ -90,15 +92,20 @@ class TaskSpec(_Strict):
 class DataConfig(_Strict):
     """The task sequence as data: an ordered list of tasks (names under ``root`` or explicit specs)."""
 
-    root: str | None = None
-    tasks: list[str | TaskSpec]
+    root: str | None = Field(None,
+        description="a benchmark directory (benchmark.json, one <task>/train and <task>/test each); tasks given by "
+                    "name are found here")
+    tasks: list[str | TaskSpec] = Field(
+        description="the sequence, in order: task names under root, or specs with their own splits (below)")
     verify: Literal["size", "sha256"] = Field(
         "size", description="startup check of every shard against its manifest: size (fast) or sha256"
     )
     split: Literal["auto", "shard", "sample"] = Field(
         "auto", description="how a split is divided over ranks: whole shards, or every W-th sample"
     )
-    shuffle_buffer: int = Field(1000, ge=1)
+    shuffle_buffer: int = Field(1000, ge=1,
+        description="samples held to shuffle the training stream (webdataset-style buffer; the order is seeded and the "
+                    "same on every resume)")
     num_workers: int = Field(
         2, ge=0, description="loader worker processes per rank that decode, augment and collate (0: in the training "
                              "process); the batches are the same for any number")
@@ -191,18 +198,18 @@ class DataConfig(_Strict):
 
 
 class TrainConfig(_Strict):
-    epochs: int = Field(1, ge=1)
+    epochs: int = Field(1, ge=1, description="epochs per task (a task spec's own epochs win)")
     batch_size: int = Field(16, ge=1, description="micro batch per rank")
-    grad_accum: int = Field(1, ge=1)
+    grad_accum: int = Field(1, ge=1, description="micro batches per optimizer step")
     lm_loss_mean: Literal["token", "sample"] = Field(
         "token", description="an MLLM's answer-token cross-entropy: token = the sum over every answer token of "
                              "the accumulation window on every rank divided by their number (LLaVA's objective, "
                              "whatever the world size: transformers' average_tokens_across_devices); sample = each "
                              "sample's token mean, averaged over samples")
-    lr: float = Field(1e-3, gt=0)
-    optimizer: Literal["adam", "adamw", "sgd"] = "adam"
-    weight_decay: float = Field(0.0, ge=0)
-    momentum: float = Field(0.9, ge=0)
+    lr: float = Field(1e-3, gt=0, description="learning rate (the schedule below restarts every task)")
+    optimizer: Literal["adam", "adamw", "sgd"] = Field("adam", description="torch's optimizer, through DeepSpeed")
+    weight_decay: float = Field(0.0, ge=0, description="the optimizer's weight decay")
+    momentum: float = Field(0.9, ge=0, description="sgd's momentum")
     grad_clip: float = Field(0.0, ge=0, description="0 disables clipping")
     lr_schedule: Literal["constant", "cosine", "multistep", "warmup_cosine", "warmup_log"] = Field(
         "constant", description="learning-rate schedule within each task (restarts every task). constant, cosine, "
@@ -216,17 +223,21 @@ class TrainConfig(_Strict):
     lr_min: float = Field(0.0, ge=0, description="cosine: the floor every parameter group decays to (timm's "
                                                    "min_lr: 1e-5 in the HiDe-Prompt / NoRGa code bases)")
     lr_milestones: list[int] = Field(default_factory=list, description="multistep: epochs where lr *= lr_decay")
-    lr_decay: float = Field(0.1, gt=0, le=1)
+    lr_decay: float = Field(0.1, gt=0, le=1, description="multistep: the factor at each milestone")
     checkpoint_every: int = Field(50, ge=1, description="optimizer steps between step checkpoints")
-    log_every: int = Field(10, ge=1)
-    deepspeed_config: str = "deepspeed_configs/zero2.json"
-    precision: Literal["fp32", "bf16"] = "fp32"
+    log_every: int = Field(10, ge=1,
+        description="optimizer steps between training records (logs/train.jsonl and the trackers; a task's last step "
+                    "always)")
+    deepspeed_config: str = Field("deepspeed_configs/zero2.json",
+        description="the DeepSpeed JSON (ZeRO stage, offload, precision); its batch sizes are set from this config")
+    precision: Literal["fp32", "bf16"] = Field("fp32",
+        description="bf16: DeepSpeed's bf16 training and the frozen backbone in bfloat16; fp32: float32 throughout")
     on_nonfinite: Literal["stop", "skip"] = Field(
         "stop", description="a NaN / inf loss (agreed by all ranks before the backward) or global gradient norm: "
                             "stop (exit 1, the last committed checkpoint kept) or skip the micro-batch (loss only)")
     max_nonfinite_steps: int = Field(10, ge=0, description="skip: stop once more micro-batches than this were skipped "
                                                            "in one task")
-    progress: bool = True
+    progress: bool = Field(True, description="tqdm progress bars on rank 0")
     collective_timeout_s: float = Field(
         1800.0, gt=0, description="a collective that does not complete within this (a dead or stuck rank) ends the "
                                   "run with an error naming the stage")
@@ -244,13 +255,13 @@ class JudgeConfig(_Strict):
 
     path: str | None = Field(None, description="a transformers causal-LM directory (MLLM-CL asks gpt-4o-mini)")
     max_new_tokens: int = Field(128, ge=1, description="the judge's reply cap (128 as MLLM-CL's build_judge)")
-    batch_size: int = Field(8, ge=1)
+    batch_size: int = Field(8, ge=1, description="questions the judge answers at once")
 
 
 class EvalSlurmConfig(_Strict):
     """The resources of a deferred run's evaluation jobs (``eval.workers: slurm``): one job per row."""
 
-    nodes: int = Field(1, ge=1)
+    nodes: int = Field(1, ge=1, description="--nodes of each job")
     gpus_per_node: int = Field(0, ge=0, description="--gres=gpu:N for each job (0: none asked for)")
     time: str | None = Field(None, description="--time of each job (default: the partition's)")
     partition: str | None = Field(None, description="--partition of each job (default: the cluster's)")
@@ -259,7 +270,10 @@ class EvalSlurmConfig(_Strict):
 
 
 class EvalConfig(_Strict):
-    batch_size: int = Field(64, ge=1)
+    """The evaluation of every task after every task (mcit.run.evaluation; evaluation cells: mcit.run.cells)."""
+
+    batch_size: int = Field(64, ge=1, description="test samples per forward / generate call on each rank (answers "
+                                                  "do not depend on it: inference is per sample)")
     schedule: Literal["inline", "deferred"] = Field(
         "inline", description="inline: each row is evaluated in the run's own eval stage before the next task trains; "
                               "deferred: the commit of each task hands its row to an evaluation worker and training "
@@ -373,9 +387,9 @@ class LogConfig(_Strict):
 
 
 class RunConfig(_Strict):
-    name: str
-    run_dir: str | None = None
-    seed: int = 0
+    name: str = Field(description="the run's name: runs/<name>/ unless run_dir is given, and its label in tables")
+    run_dir: str | None = Field(None, description="where the run writes (a resumed run: the same directory)")
+    seed: int = Field(0, description="seeds the method's initialisation, the data order and the augmentation draws")
     backbone: BackboneConfig
     data: DataConfig
     method: MethodConfig
