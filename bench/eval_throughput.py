@@ -25,7 +25,7 @@ where the ratio falls short.
 On a CPU, the bare paths prepare no data and the pipeline's loader workers share the cores with generation:
 `make bench` runs this with one torch thread, so the workers have the other core as they have a GPU node's CPU
 cores (there the ratio measures the pipeline's own feeding, gathering and writing); with torch on every core it
-also measures the data preparation's CPU share (README: benchmark notes).
+also measures the data preparation's CPU share (docs/benchmarks.md).
 
     python bench/eval_throughput.py [--config configs/tiny_mcit_fwd_prompt.yaml] [--rounds 3] [key=value ...]
 """

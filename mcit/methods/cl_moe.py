@@ -53,11 +53,14 @@ from mcit.methods.moelora import RoutedExperts
 
 
 class ClMoeParams(LoRAFamilyParams):
-    r: int = Field(96, ge=1)
-    alpha: float = Field(192.0, gt=0)
+    r: int = Field(96, ge=1, description="the experts' total rank per layer; each expert has rank r / experts "
+                                         "(MCITlib's UCIT scripts: 96)")
+    alpha: float = Field(192.0, gt=0, description="scaling alpha / r of the routed experts' sum (the scripts: 2 r)")
     experts: int = Field(6, ge=2, description="LoRA experts per layer (the router's top-2 needs two)")
-    dropout: float = Field(0.05, ge=0, lt=1)
-    target_modules: Targets = "all-linear"
+    dropout: float = Field(0.05, ge=0, lt=1, description="dropout on the experts' input; the router reads the input "
+                                                         "before it (the LLaVA trainer's default: 0.05)")
+    target_modules: Targets = Field("all-linear", description="the LLM's modules to adapt: all-linear (official "
+                                                              "find_all_linear_names) or module names")
     momentum: float = Field(0.7, ge=0, le=1, description="params.py's alpha: the previous experts' share")
     task_experts: int = Field(8, ge=1, description="a task's experts: its most counted (statistic.py: 8)")
     momentum_merge: bool = Field(True, description="false: no momentum (as MCITlib's scripts run it)")

@@ -21,7 +21,9 @@ from mcit.methods.prompting import mask_to_classes
 
 
 class CLIPZeroShotParams(MethodParams):
-    templates: list[str] = Field(default_factory=lambda: ["a photo of a {}."])
+    templates: list[str] = Field(default_factory=lambda: ["a photo of a {}."],
+                                 description="class-name templates ({} the class name); their text embeddings "
+                                             "are averaged (CLIP's prompt ensembling)")
 
 
 @METHODS.register("clip_zero_shot")

@@ -33,9 +33,10 @@ from mcit.models.base import LayerPrompt
 class CodaPromptParams(MethodParams):
     pool_size: int = Field(100, ge=1, description="components per block, split evenly over the tasks")
     prompt_length: int = Field(8, ge=2, description="even: half prefix keys, half prefix values")
-    layers: LayerList = Field(default_factory=lambda: [0, 1, 2, 3, 4])
-    ortho_mu: float = Field(0.0, ge=0)
-    train_mask: bool = True
+    layers: LayerList = Field(default_factory=lambda: [0, 1, 2, 3, 4], description="prompted blocks (prefix tuning)")
+    ortho_mu: float = Field(0.0, ge=0, description="weight of the official orthogonality penalty (0: off, as its "
+                                                   "configs)")
+    train_mask: bool = Field(True, description="mask the logits of classes outside the current task in training")
 
     @model_validator(mode="after")
     def _even_length(self) -> "CodaPromptParams":

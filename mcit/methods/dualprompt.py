@@ -43,16 +43,22 @@ from mcit.methods.prompting import (
 
 class DualPromptParams(MethodParams):
     g_prompt_length: int = Field(5, ge=0, description="0 disables the G-prompt")
-    g_layers: LayerList = Field(default_factory=lambda: [0, 1])
-    e_prompt_length: int = Field(5, ge=1)
-    e_layers: LayerList = Field(default_factory=lambda: [2, 3, 4])
+    g_layers: LayerList = Field(default_factory=lambda: [0, 1],
+                                description="blocks with the G-prompt (official --g_prompt_layer_idx)")
+    e_prompt_length: int = Field(5, ge=1, description="E-prompt length (official --length): 5 for CIFAR, 20 for "
+                                                      "ImageNet-R")
+    e_layers: LayerList = Field(default_factory=lambda: [2, 3, 4],
+                                description="blocks with the E-prompt pool (official --e_prompt_layer_idx)")
     pool_size: int | None = Field(None, ge=1, description="E-prompts; default: number of tasks x top_k")
-    top_k: int = Field(1, ge=1)
-    pull_coeff: float = Field(1.0, ge=0)
-    train_mask: bool = True
+    top_k: int = Field(1, ge=1, description="E-prompts per task in training and selected per sample at inference "
+                                            "(official --top_k)")
+    pull_coeff: float = Field(1.0, ge=0, description="weight of the key-query pull loss (official "
+                                                     "--pull_constraint_coeff)")
+    train_mask: bool = Field(True, description="mask the logits of classes outside the current task in training")
     shared_prompt_pool: bool = Field(True, description="initialise task t's E-prompt from task t-1's")
     shared_prompt_key: bool = Field(False, description="initialise task t's key from task t-1's")
-    head_type: Literal["token", "gap"] = "token"
+    head_type: Literal["token", "gap"] = Field(
+        "token", description="the head's input: the [CLS] output or the mean of the patch outputs")
     head_init: HeadInit = Field("timm", description=HEAD_INIT_DOC)
     batchwise_selection: bool = Field(
         False, description="official-code mode: one majority-voted prompt set per batch (batch-size dependent)")

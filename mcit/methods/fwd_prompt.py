@@ -30,7 +30,7 @@
 
   The paper describes the projection as "to the residual space ... and to the pre-trained subspace"
   without a numeric recipe in the text available to us; ``reuse_pretrained`` is our reading of it,
-  and the thresholds are config options. On the embedded benchmark (README, "MCIT: what the embedded
+  and the thresholds are config options. On the embedded benchmark (docs/findings.md, "MCIT: what the embedded
   benchmark shows") ``eps_pretrained`` trades plasticity for forgetting monotonically (0.3 / 0.6 / 0.9:
   forgetting 27.7 / 37.8 / 40.9, plasticity 81.9 / 83.8 / 85.8), and ``residual`` forgets least but learns
   least; within the seed noise none beats the defaults, so they stay.
@@ -61,13 +61,17 @@ from mcit.methods.instruction import InstructionMethod, init_from_vocab
 
 
 class FwdPromptParams(MethodParams):
-    pool_size: int = Field(10, ge=1)
-    top_n: int = Field(2, ge=1)
-    prompt_length: int = Field(4, ge=1)
-    key_loss_weight: float = Field(0.5, ge=0)
+    pool_size: int = Field(10, ge=1, description="prompt pool entries (each an image key, a text key and a prompt)")
+    top_n: int = Field(2, ge=1, description="best-matching pool entries whose prompts a sample gets")
+    prompt_length: int = Field(4, ge=1, description="prompt vectors per pool entry")
+    key_loss_weight: float = Field(0.5, ge=0, description="weight of the pull loss sum(1 - cos) drawing the "
+                                                          "selected keys to their queries")
     eps_task: float = Field(0.99, gt=0, le=1, description="energy kept in each old task's core space")
     eps_pretrained: float = Field(0.6, gt=0, le=1, description="energy of the pre-trained core space")
-    combine: Literal["reuse_pretrained", "residual", "pretrained_only"] = "reuse_pretrained"
+    combine: Literal["reuse_pretrained", "residual", "pretrained_only"] = Field(
+        "reuse_pretrained", description="how the pre-trained core space enters the projection: reuse_pretrained: "
+                                        "task spaces in its complement; residual: unused (plain GPM); "
+                                        "pretrained_only: updates onto it")
     normalize_tokens: bool = Field(True, description="accumulate unit-norm token embeddings (see the docstring)")
     project: bool = Field(True, description="false: the same pool without projection (ablation)")
 

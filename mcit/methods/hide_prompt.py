@@ -65,10 +65,12 @@ from mcit.methods.prompting import (
 
 class HiDePromptParams(MethodParams):
     prompt_length: int = Field(5, ge=1, description="E-prefix length: 5 for CIFAR-100, 20 for ImageNet-R / CUB")
-    e_layers: LayerList = Field(default_factory=lambda: [0, 1, 2, 3, 4])
-    prompt_momentum: float = Field(0.01, ge=0, le=1)
+    e_layers: LayerList = Field(default_factory=lambda: [0, 1, 2, 3, 4], description="blocks with the E-prefix")
+    prompt_momentum: float = Field(0.01, ge=0, le=1, description="m of the prompt mix (1 - m) P_t + m "
+                                                                 "mean(P_0..P_{t-1}) from task 1 on (0: off)")
     reg: float = Field(0.1, ge=0, description="weight of the contrastive regulariser")
-    reg_temperature: float = Field(0.8, gt=0)
+    reg_temperature: float = Field(0.8, gt=0, description="temperature of the contrastive regulariser (the "
+                                                          "official orth_loss)")
     head_lr_scale: float = Field(0.1, gt=0, description="head lr / prompt lr (the official larger_prompt_lr)")
     tii_mlp: list[int] = Field(default_factory=lambda: [2], description="TII MLP hidden widths, multiples of D")
     tii_lr_scale: float = Field(1.0, gt=0, description="TII head lr / prompt lr")
@@ -85,7 +87,8 @@ class HiDePromptParams(MethodParams):
     ca_batch_size: int = Field(24, ge=1, description="TAP draws 5x this per class and epoch (TII: 1x)")
     ca_weight_decay: float = Field(0.0, ge=0, description="TAP's SGD weight decay (official runs: 0.0)")
     shared_prompt_pool: bool = Field(True, description="task t's E-prompt starts as task t-1's (official default)")
-    train_mask: bool = True
+    train_mask: bool = Field(True, description="mask the logits of classes outside the current task in training "
+                                               "(both heads)")
 
 
 class TIIHead(nn.Module):

@@ -41,12 +41,15 @@ from mcit.methods.prompting import (
 
 
 class L2PParams(MethodParams):
-    pool_size: int = Field(10, ge=1)
-    prompt_length: int = Field(5, ge=1)
-    top_k: int = Field(5, ge=1)
+    pool_size: int = Field(10, ge=1, description="prompts in the pool, each with a learnable key (L2P's --size 10)")
+    prompt_length: int = Field(5, ge=1, description="tokens per prompt (L2P's --length 5)")
+    top_k: int = Field(5, ge=1, description="prompts selected per sample by key-query cosine similarity (L2P's "
+                                            "--top_k 5)")
     pull_coeff: float = Field(0.1, ge=0, description="weight of the key-query pull (surrogate) loss")
     train_mask: bool = Field(True, description="mask the logits of classes outside the current task in training")
-    head_type: Literal["prompt", "token", "token+prompt"] = "prompt"
+    head_type: Literal["prompt", "token", "token+prompt"] = Field(
+        "prompt", description="the head's input: mean of the prompt outputs, the [CLS] output, or the mean of "
+                              "both (L2P's --head_type)")
     head_init: HeadInit = Field("timm", description=HEAD_INIT_DOC)
     prompt_position: Literal["cls", "none"] = Field(
         "cls", description="position embedding of the prompt tokens: the [CLS] one (the official code) or none")

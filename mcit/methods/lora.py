@@ -144,11 +144,14 @@ class LoRAFamilyParams(MethodParams):
     that rate (its own parameter group); CoIN's ``create_optimizer`` (ETrain/Train/LLaVA/llava_trainer.py,
     zackschen/CoIN 4122465) ignores the flag and trains it at ``learning_rate``: ``projector_lr: null`` is that."""
 
-    r: int = Field(8, ge=1)
-    alpha: float = Field(16.0, gt=0)
-    dropout: float = Field(0.0, ge=0, lt=1)
-    target_modules: Targets = Field(default_factory=lambda: ["q_proj", "v_proj"])
-    train_projector: bool = True
+    r: int = Field(8, ge=1, description="LoRA rank (peft's r)")
+    alpha: float = Field(16.0, gt=0, description="the adapters' update is scaled by alpha / r (peft's lora_alpha)")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input (peft's lora_dropout)")
+    target_modules: Targets = Field(default_factory=lambda: ["q_proj", "v_proj"],
+                                    description="the LLM's modules to adapt: module names (peft's target_modules) "
+                                                "or all-linear (every nn.Linear but lm_head)")
+    train_projector: bool = Field(True, description="train a copy of the backbone's vision projector with the "
+                                                    "adapters (at projector_lr); false: the pre-trained one, frozen")
     projector_lr: Optional[float] = Field(2e-5, gt=0, description="the projector's learning rate (null: train.lr)")
 
 
@@ -190,11 +193,13 @@ class SwiftLoRAParams(LoRAFamilyParams):
     """ms-swift's LoRA defaults, with which ECNU-SII/Continual-NExT's scripts run EWC and LwF on MLLMs: rank 64,
     alpha 32, dropout 0.05, every linear layer of the LLM, the aligner (projector) frozen."""
 
-    r: int = Field(64, ge=1)
-    alpha: float = Field(32.0, gt=0)
-    dropout: float = Field(0.05, ge=0, lt=1)
-    target_modules: Targets = "all-linear"
-    train_projector: bool = False
+    r: int = Field(64, ge=1, description="LoRA rank (the scripts' --lora_rank 64)")
+    alpha: float = Field(32.0, gt=0, description="scaling alpha / r (ms-swift's default: 32)")
+    dropout: float = Field(0.05, ge=0, lt=1, description="dropout on the adapters' input (ms-swift's default: 0.05)")
+    target_modules: Targets = Field("all-linear", description="the LLM's modules to adapt: all-linear (ms-swift's "
+                                                              "default) or module names")
+    train_projector: bool = Field(False, description="train the vision projector (aligner) too; false: frozen, as "
+                                                     "ms-swift's freeze_aligner")
 
 
 class LoraParams(LoRAFamilyParams):

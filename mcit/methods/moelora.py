@@ -30,11 +30,14 @@ from mcit.methods.lora import LoRAFamily, LoRAFamilyParams, Targets
 
 
 class MoeLoraParams(LoRAFamilyParams):
-    r: int = Field(128, ge=1)
-    alpha: float = Field(256.0, gt=0)
-    experts: int = Field(8, ge=1)
-    dropout: float = Field(0.05, ge=0, lt=1)
-    target_modules: Targets = "all-linear"
+    r: int = Field(128, ge=1, description="the experts' total rank per layer; each expert has rank r / experts "
+                                          "(CoIN: 128)")
+    alpha: float = Field(256.0, gt=0, description="scaling alpha / r of the routed experts' sum (CoIN: 256)")
+    experts: int = Field(8, ge=1, description="LoRA experts per adapted layer (CoIN: 8)")
+    dropout: float = Field(0.05, ge=0, lt=1, description="dropout on the experts' input; the router reads the input "
+                                                         "before it (CoIN: 0.05)")
+    target_modules: Targets = Field("all-linear", description="the LLM's modules to adapt: all-linear (CoIN's "
+                                                              "find_all_linear_names) or module names")
 
     @model_validator(mode="after")
     def _rank_splits(self) -> "MoeLoraParams":

@@ -31,11 +31,15 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 
 class NoRGaParams(HiDePromptParams):
-    activation: Literal["sigmoid", "tanh", "gelu"] = "sigmoid"
-    tau_init: float = 1.0
-    alpha_init: float = 1.0
-    gate: bool = True
-    gate_trainable: Literal["first_task", "all_tasks"] = "first_task"
+    activation: Literal["sigmoid", "tanh", "gelu"] = Field(
+        "sigmoid", description="the gate's act in s + alpha * act(tau * s) on the prefix scores")
+    tau_init: float = Field(1.0, description="initial tau of the gate, per prompted block (official 1)")
+    alpha_init: float = Field(1.0, description="initial alpha of the gate, per prompted block (official 1)")
+    gate: bool = Field(True, description="gate the prefix scores; false: plain prefix scores (the paper's "
+                                         "\"without the gate\" ablation)")
+    gate_trainable: Literal["first_task", "all_tasks"] = Field(
+        "first_task", description="train alpha and tau with the first task only, then frozen (the official "
+                                  "engine), or on every task")
     ca_storage: Literal["multi-centroid", "covariance", "variance"] = Field(
         "covariance", description="every NoRGa script passes --ca_storage_efficient_method covariance")
 

@@ -31,10 +31,12 @@ from mcit.methods.lora import LoRAFamily, LoRAFamilyParams
 
 
 class OLoraParams(LoRAFamilyParams):
-    alpha: float = Field(32.0, gt=0)
-    dropout: float = Field(0.1, ge=0, lt=1)
-    lamda_1: float = Field(0.5, ge=0)  # the orthogonality term (the official spelling)
-    lamda_2: float = Field(0.0, ge=0)  # the L2 term on the new task's pair
+    alpha: float = Field(32.0, gt=0, description="scaling alpha / r of every task's pair (official scripts: 32)")
+    dropout: float = Field(0.1, ge=0, lt=1, description="dropout on the adapters' input (official scripts: 0.1)")
+    lamda_1: float = Field(0.5, ge=0, description="weight of the orthogonality term sum |A_old A_new^T| (the "
+                                                  "official name and spelling)")
+    lamda_2: float = Field(0.0, ge=0, description="weight of the L2 term: Frobenius norms of the new task's pair "
+                                                  "(the official lamda_2)")
 
 
 class _TaskStack(nn.Module):

@@ -80,8 +80,10 @@ class PGPMixin:
 
 
 class L2PPGPParams(L2PParams):
-    prompt_threshold: float = Field(0.50, gt=0, le=1)
-    key_threshold: float = Field(0.97, gt=0, le=1)
+    prompt_threshold: float = Field(0.50, gt=0, le=1, description="GPM energy threshold of the prompt-side "
+                                                                  "bases (official 0.50)")
+    key_threshold: float = Field(0.97, gt=0, le=1, description="GPM energy threshold of the query (key) "
+                                                               "basis (official 0.97)")
 
 
 @METHODS.register("l2p+pgp")
@@ -109,8 +111,10 @@ class L2PPGP(PGPMixin, L2P):
 
 
 class DualPromptPGPParams(DualPromptParams):
-    prompt_threshold: float = Field(0.50, gt=0, le=1)
-    key_threshold: float = Field(0.97, gt=0, le=1)
+    prompt_threshold: float = Field(0.50, gt=0, le=1, description="GPM energy threshold of the prompt-side "
+                                                                  "bases (official 0.50)")
+    key_threshold: float = Field(0.97, gt=0, le=1, description="GPM energy threshold of the query (key) "
+                                                               "basis (official 0.97)")
     project_e_key: bool = Field(False, description="also confine E-prompt key updates (not in the official code)")
 
 

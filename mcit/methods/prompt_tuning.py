@@ -21,7 +21,8 @@ from mcit.methods.instruction import InstructionMethod, init_from_vocab
 
 
 class PromptTuningParams(MethodParams):
-    prompt_length: int = Field(8, ge=1)
+    prompt_length: int = Field(8, ge=1, description="soft prompt vectors prepended to every sample's input "
+                                                    "embeddings")
 
 
 @METHODS.register("prompt_tuning")

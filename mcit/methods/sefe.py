@@ -50,17 +50,23 @@ from mcit.methods.lora import LoRAFamily, LoRAFamilyParams, Targets
 
 
 class SefeParams(LoRAFamilyParams):
-    r: int = Field(128, ge=1)
-    alpha: float = Field(256.0, gt=0)
-    dropout: float = Field(0.05, ge=0, lt=1)  # train.py's lora_dropout default (the scripts do not set it)
-    target_modules: Targets = "all-linear"
+    r: int = Field(128, ge=1, description="LoRA rank of each task's pair (official scripts: 128)")
+    alpha: float = Field(256.0, gt=0, description="scaling alpha / r of every task's pair (official scripts: 256)")
+    # train.py's lora_dropout default (the scripts do not set it)
+    dropout: float = Field(0.05, ge=0, lt=1, description="dropout on the current task's LoRA input (train.py's "
+                                                         "lora_dropout default)")
+    target_modules: Targets = Field("all-linear", description="the LLM's modules to adapt: all-linear (official "
+                                                              "find_all_linear_names) or module names")
     # llava_llama.py: loss = loss_reg * 2.5e3 + CE
-    reg_weight: float = Field(2.5e3, ge=0)
+    reg_weight: float = Field(2.5e3, ge=0, description="weight of the key-element regulariser in the loss "
+                                                       "(llava_llama.py: 2.5e3)")
     # key_elements_identification.py: the top int(0.02 * rows * cols) entries of |B A| per matrix
-    key_ratio: float = Field(0.02, gt=0, le=1)
+    key_ratio: float = Field(0.02, gt=0, le=1, description="share of a matrix's entries, largest |B A| first, that "
+                                                           "are a task's key elements (official: 0.02)")
     # modeling_llama.py: loss_reg / 224, the number of adapted matrices of Vicuna-7B (32 layers x 7 projections),
     # hard-coded whatever the model; null: the number of adapted matrices of this model (the same mean on 7B)
-    reg_normalizer: Optional[float] = Field(224.0, gt=0)
+    reg_normalizer: Optional[float] = Field(224.0, gt=0, description="divisor of the regulariser's sum over adapted "
+                                                                     "matrices (official: 224); null: their number")
 
 
 def key_element_count(rows: int, cols: int, ratio: float) -> int:

@@ -21,8 +21,10 @@ from mcit.methods.prompting import HEAD_INIT_DOC, HeadInit, classifier_head, ins
 
 
 class SeqParams(MethodParams):
-    prompt_length: int = Field(5, ge=1)
-    head_type: Literal["prompt", "token", "token+prompt"] = "prompt"
+    prompt_length: int = Field(5, ge=1, description="tokens of the one prompt, inserted between [CLS] and the "
+                                                    "patch tokens")
+    head_type: Literal["prompt", "token", "token+prompt"] = Field(
+        "prompt", description="the head's input: mean of the prompt outputs, the [CLS] output, or the mean of both")
     head_init: HeadInit = Field("timm", description=HEAD_INIT_DOC)
 
 

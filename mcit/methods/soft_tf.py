@@ -61,10 +61,12 @@ class SoftMaskParams(MethodParams):
                                                             "the last block), as the official target_layers")
     mask_mlp: bool = Field(True, description="also mask the MLP's fc1 and fc2 (the official SubnetMlp); false: the "
                                              "paper's \"w/o FF\" variant")
-    mask_bias: bool = True
+    mask_bias: bool = Field(True, description="also mask the biases (b ⊙ m_t, one bias mask per task)")
     mask_init: Literal["ones", "uniform"] = Field("uniform", description="uniform(0.99, 1) as the official code, or "
                                                                         "exactly 1 (the pre-trained network)")
-    task_inference: Literal["prompt_id", "gradient_id", "gradient_id_batch"] = "prompt_id"
+    task_inference: Literal["prompt_id", "gradient_id", "gradient_id_batch"] = Field(
+        "prompt_id", description="task identity at inference: key matching, the entropy-gradient rule per "
+                                 "sample, or the official one per test batch (leaks task identity)")
     gradient_shot: int = Field(7, ge=1, description="gradient_id_batch: samples of the batch that decide")
 
 

@@ -72,7 +72,8 @@ class STARPromptParams(MethodParams):
     clip_tokenizer: str | None = Field(None, description="clip_path an OpenAI file: a directory with its tokenizer",
                                        json_schema_extra={"input_path": True})
     prompt_layers: LayerList | None = Field(None, description="ViT blocks with residual prompts; default all")
-    confidence_modulation: bool = True
+    confidence_modulation: bool = Field(True, description="scale the best class's residual prompt by its score; "
+                                                          "false: by 1")
     map_mask_gradient: Literal["all_current", "selected"] = Field(
         "all_current", description="which classes' a_c the masked score map trains: every current class (the "
                                    "official code: the mask is invisible to autograd) or only the selected one")
@@ -84,24 +85,31 @@ class STARPromptParams(MethodParams):
                                  "code) or on the eval preset's images")
     # first level
     first_epochs: int | None = Field(None, ge=1, description="default: train.epochs")
-    first_lr: float = Field(0.002, gt=0)
-    first_optimizer: Literal["sgd", "adam"] = "sgd"
-    first_momentum: float = Field(0.0, ge=0)
-    lambda_ortho_first: float = Field(30.0, ge=0)
-    gr_first_epochs: int = Field(10, ge=0)
-    gr_first_lr: float = Field(0.05, gt=0)
+    first_lr: float = Field(0.002, gt=0, description="the first level's learning rate (context tokens)")
+    first_optimizer: Literal["sgd", "adam"] = Field("sgd", description="the first level's optimizer")
+    first_momentum: float = Field(0.0, ge=0, description="the first level's optimizer momentum")
+    lambda_ortho_first: float = Field(30.0, ge=0, description="weight of the squared similarity of the task's "
+                                                              "context tokens to earlier classes' tokens")
+    gr_first_epochs: int = Field(10, ge=0, description="epochs of the first level's replay re-alignment of the "
+                                                       "context tokens")
+    gr_first_lr: float = Field(0.05, gt=0, description="SGD lr of the first level's replay re-alignment")
     # second level
-    lambda_ortho_second: float = Field(10.0, ge=0)
+    lambda_ortho_second: float = Field(10.0, ge=0, description="weight of the official orthogonality loss of the "
+                                                               "residual prompts")
     gr_second_epochs: int = Field(10, ge=0, description="plus 5 per task, as the official code")
-    gr_second_lr: float = Field(0.001, gt=0)
+    gr_second_lr: float = Field(0.001, gt=0, description="SGD lr of the second level's replay re-training of the "
+                                                         "head")
     # generative replay
-    enable_gr: bool = True
-    gr_model: Literal["mog", "gaussian"] = "mog"
-    mog_components: int = Field(5, ge=1)
-    mog_iters_first: int = Field(200, ge=1)
-    mog_iters_second: int = Field(500, ge=1)
+    enable_gr: bool = Field(True, description="generative replay: fit the class mixtures and re-align on their "
+                                              "samples (false: neither level replays)")
+    gr_model: Literal["mog", "gaussian"] = Field(
+        "mog", description="the second level's class model: a mixture of mog_components Gaussians or one Gaussian "
+                           "(the paper's ablation)")
+    mog_components: int = Field(5, ge=1, description="Gaussians per class mixture (diagonal covariance)")
+    mog_iters_first: int = Field(200, ge=1, description="EM iterations of the first level's mixtures")
+    mog_iters_second: int = Field(500, ge=1, description="EM iterations of the second level's mixtures")
     gr_samples: int = Field(256, ge=1, description="samples per class and replay epoch")
-    gr_batch_size: int = Field(128, ge=1)
+    gr_batch_size: int = Field(128, ge=1, description="batch size of the replay alignment (both levels)")
     head_init: HeadInit = Field("timm", description=HEAD_INIT_DOC)
 
 

@@ -24,8 +24,9 @@ class TaskLoRAParams(LoRAFamilyParams):
 
     r: int = Field(96, ge=1, description="the total rank (official lora_r); each task's pair has rank r / tasks")
     alpha: float = Field(192.0, gt=0, description="scaling alpha / r (the scripts: lora_alpha = 2 lora_r)")
-    dropout: float = Field(0.05, ge=0, lt=1)
-    target_modules: Targets = "all-linear"
+    dropout: float = Field(0.05, ge=0, lt=1, description="dropout on the adapters' input (LLaVA's default: 0.05)")
+    target_modules: Targets = Field("all-linear", description="the LLM's modules to adapt: all-linear (official "
+                                                              "find_all_linear_names) or module names")
     clip_path: str = Field(..., description="the CLIP checkpoint the routing reads: an HF directory, or the original "
                                             "file for a zoo clip_tag", json_schema_extra={"input_path": True})
     clip_tag: str = Field("local", description="backbone zoo tag of clip_path, or a label for an HF directory; "

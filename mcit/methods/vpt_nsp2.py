@@ -59,7 +59,7 @@ from mcit.models.base import LayerPrompt
 
 
 class VPTNSP2Params(MethodParams):
-    prompt_length: int = Field(4, ge=1)
+    prompt_length: int = Field(4, ge=1, description="prompt tokens appended to each prompted block's input")
     layers: LayerList | None = Field(None, description="prompted blocks; default all (VPT-deep)")
     null_space: bool = Field(True, description="false: plain sequential VPT-deep with per-task heads "
                                                "(no projection, no L_LN)")
@@ -69,21 +69,24 @@ class VPTNSP2Params(MethodParams):
                                                              "paper's one eta: its stability-plasticity curve)")
     project_qk: bool = Field(True, description="ablation B1: the projection from Q_X W_k (P1); false = P1 is I")
     project_sp: bool = Field(True, description="ablation B2: the projection from S_P (P2); false = P2 is I")
-    thres_mode: str = Field("adaptive", pattern="^(adaptive|times)$")
+    thres_mode: str = Field("adaptive", pattern="^(adaptive|times)$",
+                            description="null-space criterion: the knee of the singular values (adaptive) or "
+                                        "those at most thres times the smallest (times)")
     thres1: float = Field(0.0, description="adaptive: offset of the knee (fraction < 1 or count); times: multiple")
-    thres2: float = Field(0.0)
-    ln_loss_coeff: float = Field(1.0, ge=0)
+    thres2: float = Field(0.0, description="as thres1, for the projection P2 (S_P); thres1 is P1's")
+    ln_loss_coeff: float = Field(1.0, ge=0, description="weight of the L_LN loss, from the second task on (0: off)")
     temperature: float = Field(28.0, gt=0, description="training logits are divided by it")
     classifier: Literal["auto", "linear", "text"] = Field(
         "auto", description="linear heads, or CLIP's image-text similarity (auto: text on a CLIP backbone)")
     templates: list[str] = Field(default_factory=lambda: ["a photo of a {}."],
                                  description="text classifier: class-name templates, averaged")
-    logit_scale_trainable: bool = True
+    logit_scale_trainable: bool = Field(True, description="text classifier: train CLIP's logit scale with the "
+                                                          "prompts")
     head_bias: bool = Field(True, description="text classifier: W_proj has a zero-initialised bias (the official "
                                               "timm conversion of CLIP), trained by refine_head only")
     refine_head: bool = Field(False, description="text classifier: retrain the projection on class Gaussians")
-    refine_epochs: int = Field(50, ge=0)
-    refine_lr: float = Field(0.001, gt=0)
+    refine_epochs: int = Field(50, ge=0, description="refine_head epochs (official 50)")
+    refine_lr: float = Field(0.001, gt=0, description="refine_head SGD lr (official 0.001)")
     refine_samples: int = Field(256, ge=1, description="samples per class and epoch")
 
     @model_validator(mode="after")

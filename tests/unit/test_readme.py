@@ -100,3 +100,51 @@ def test_a_program_that_fails_to_start_is_reported(tmp_path, monkeypatch):
     found = {"module": {"broken_cli"}, "script": set(), "console": set(), "make": set(), "sbatch": set()}
     bad = problems(found)
     assert len(bad) == 1 and bad[0].startswith("python -m broken_cli --help: exit 1"), bad
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_the_docs_commands_exist_and_links_resolve():
+    """The pages the README links to (docs/*.md) name commands that exist too, and every relative link of the
+    README and of those pages reaches a file and, with an anchor, one of its headings (sections moved between the
+    README and docs/ keep their links)."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    found: dict[str, set[str]] = {k: set() for k in ("module", "script", "console", "make", "sbatch")}
+    for page in pages[1:]:
+        for k, v in commands(page.read_text()).items():
+            found[k] |= {x for x in v if not x.endswith(".")}  # `python -m data_prep.<name>`: a placeholder
+    assert problems(found) == []
+    broken = []
+    for page in pages:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            if not dest.exists():
+                broken.append(f"{page.name}: {target}: no such file")
+            elif anchor and dest.suffix == ".md":
+                heads = {_slug(h) for h in re.findall(r"(?m)^#+ (.+)$", dest.read_text())}
+                if anchor not in heads:
+                    broken.append(f"{page.name}: {target}: no such heading")
+    assert broken == []
+
+
+def test_the_layout_section_is_in_step_with_the_tree():
+    """The README's Layout names every top-level folder, every module of mcit/'s rooms and every page of docs/."""
+    text = (ROOT / "README.md").read_text()
+    layout = text[text.index("## Layout"):]
+    layout = layout[layout.index("```") + 3:]
+    layout = layout[:layout.index("```")]
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    folders = {p.split("/")[0] for p in tracked if "/" in p and not p.startswith(".")}
+    missing = [f"{d}/" for d in sorted(folders) if not re.search(rf"(?m)^{re.escape(d)}/", layout)]
+    modules = {p.split("/")[-1][:-3] for p in tracked if re.match(r"mcit/\w+/\w+\.py$", p)} - {"__init__"}
+    missing += [f"mcit module {m}" for m in sorted(modules) if not re.search(rf"\b{m}\b", layout)]
+    docs = {p.split("/")[-1] for p in tracked if re.match(r"docs/[^/]+\.md$", p)}
+    missing += [f"docs/{d}" for d in sorted(docs) if d not in layout]
+    assert missing == []
