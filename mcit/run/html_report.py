@@ -456,7 +456,7 @@ def png_img(path: Path, alt: str) -> str:
 
 
 def study_html(title: str, sections: list[tuple[str, list[dict[str, Any]], set[int]]], columns: list[str],
-               images: list[Path]) -> str:
+               images: list[Path], extra: str = "") -> str:
     """The page of a study (``mcit.studies.study.write_study``): per section (heading, rows as ``rows_of`` gives
     them, the ids of the chosen rows), a sortable mean ± std table; then the study's figures, inlined."""
     parts = [f"<h1>{esc(title)}</h1>"]
@@ -469,6 +469,7 @@ def study_html(title: str, sections: list[tuple[str, list[dict[str, Any]], set[i
             + "".join(_cell(c, r["metrics"].get(c) or {"mean": None}) for c in columns) + "</tr>" for r in rows)
         parts.append(f'<h2>{esc(heading)}</h2><table class="study sortable"><thead><tr><th class="l">config</th>'
                      f'<th class="l">setting</th><th>n</th>{head}</tr></thead><tbody>{body}</tbody></table>')
+    parts.append(extra)
     if images:
         parts.append('<h2>Figures</h2><div class="figs">' + "".join(png_img(p, p.stem) for p in images) + "</div>")
     return page(title, "".join(parts))

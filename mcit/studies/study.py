@@ -207,10 +207,12 @@ def _saved(fig: Any, path: Path) -> Path:
     return path
 
 
-def write_study(selection_sweeps: list[Path], final_sweep: Path | None, out: Path | None) -> tuple[str, list[Path]]:
+def write_study(selection_sweeps: list[Path], final_sweep: Path | None, out: Path | None,
+                published: list[Path] | None = None) -> tuple[str, list[Path]]:
     """The study's Markdown (selection table with the chosen settings, then the test-split table) and, with
     ``out``, ``<out>.md``, the figures beside it (``<out name>_matrices.png``, ...) and ``<out>.html`` (the tables,
-    sortable, and the figures in one page: ``mcit.run.html_report``); returns (text, files written)."""
+    sortable, and the figures in one page: ``mcit.run.html_report``); returns (text, files written). ``published``:
+    published files (``mcit.studies.published``) whose numbers go beside the final sweep's."""
     selection = rows_of(selection_sweeps)
     chosen = select(selection, ROOT / "configs") if selection else {}
     text = ""
@@ -220,9 +222,17 @@ def write_study(selection_sweeps: list[Path], final_sweep: Path | None, out: Pat
     if final:
         zs = zero_shot_row(final_sweep)
         text += "## Test split, chosen defaults\n\n" + table(([zs] if zs else []) + final) + "\n"
+    pairs: list = []
+    if published and final_sweep is not None:  # the published numbers beside the test-split table
+        from mcit.studies import published as P
+
+        ours = P.ours_of([], [load(final_sweep)])
+        for f in published:
+            pairs += P.compare(P.load(f), ours)[0]
+        text += "\n" + P.markdown(pairs, 0)
     made: list[Path] = []
     if out is not None:
-        from mcit.run.html_report import study_html
+        from mcit.run.html_report import published_html, study_html
 
         atomic_write_text(out.with_suffix(".md"), text)
         made = figures(selection, final, out.parent, prefix=out.name)
@@ -231,6 +241,7 @@ def write_study(selection_sweeps: list[Path], final_sweep: Path | None, out: Pat
             sections.append(("Selection (validation carve)", selection, {id(r) for r in chosen.values()}))
         if final:
             sections.append(("Test split, chosen defaults", ([zs] if zs else []) + final, set()))
-        atomic_write_text(out.with_suffix(".html"), study_html(f"Study {out.name}", sections, COLUMNS, made))
+        atomic_write_text(out.with_suffix(".html"),
+                          study_html(f"Study {out.name}", sections, COLUMNS, made, published_html(pairs)))
         made.append(out.with_suffix(".html"))
     return text, made

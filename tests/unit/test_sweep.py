@@ -128,6 +128,14 @@ def test_the_study_page_holds_its_tables_and_figures_and_opens_offline(tmp_path)
     assert [float(r["forgetting"]) for r in rows] == [53.0, 64.5, 62.0]
     unsorted, up, down = page["sort"]
     assert up == sorted(unsorted, key=float) and down == up[::-1]
+    # the published numbers beside the final sweep's (``mcit-study --published``), in the text and the page
+    pub = tmp_path / "pub.yaml"
+    pub.write_text(yaml.safe_dump({"paper": "P", "arxiv": "1", "rows": [
+        {"table": "T1", "setting": "s", "method": "LoRA", "benchmark": "b", "metric": "final_avg_acc", "value": 70.0,
+         "where": "T1", "config": "configs/tiny_mcit_lora.yaml"}]}))
+    text, made = write_study([sweeps["sel"]], sweeps["fin"], tmp_path / "study", [pub])
+    assert "| LoRA | final_avg_acc | 70.00 | 69.00 ± 1.50 | -1.00 | tiny_mcit_lora |" in text
+    assert 'data-key="delta" data-value="-1.0"' in page_file.read_text()
 
 
 def test_the_shipped_published_files_load_and_each_matched_row_names_a_shipped_config_by_its_run_name():
