@@ -234,6 +234,16 @@ def exit_process(code: int | None) -> None:
                 pass
 
     flush()
+    # a child still alive now (a loader worker hung in fork: it keeps the rank's SIGTERM handler, so the
+    # terminate at exit does not end it) would hold the exit below in multiprocessing's join forever
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        child.terminate()
+        child.join(timeout=2)
+        if child.is_alive():
+            child.kill()
+            child.join(timeout=5)
     atexit._run_exitfuncs()  # the documented-by-use way to run them before os._exit
     flush()
     os._exit(int(code or 0))

@@ -317,9 +317,21 @@ class WorkerPool:
         stop = getattr(self.iterator, "_shutdown_workers", None)
         if stop is not None:
             stop()
+        reap(getattr(self.iterator, "_workers", []))
 
 
 _POOLS: dict[tuple[int, bool, float, int], WorkerPool] = {}
+
+
+def reap(workers: list) -> None:
+    """Kill the loader workers still alive after their loader's shutdown. torch's shutdown ends a worker with
+    SIGTERM, which a worker forked from a rank keeps the rank's handler for (the preemption flag): one that hung in
+    ``fork`` itself (a lock another thread of the rank held at that instant: seen in CI, the child never reached
+    its loop) then outlived the loader, and the rank's exit joined it forever."""
+    for w in workers:
+        if w.is_alive():
+            w.kill()
+            w.join(timeout=5)
 
 
 def shutdown_workers() -> None:
@@ -429,6 +441,7 @@ def _run(works: Iterator[_Work], collates: list[Collate], loader: LoaderOptions,
             stop = getattr(rest, "_shutdown_workers", None)
             if stop is not None:
                 stop()
+            reap(getattr(rest, "_workers", []))
 
 
 @dataclass(frozen=True)

@@ -82,3 +82,51 @@ def test_extension_dir_defaults_to_this_environment(monkeypatch):
     assert os.environ.get("TORCH_EXTENSIONS_DIR", str(root)) == str(root)
 
 
+
+
+# A rank's child that SIGTERM does not end (a loader worker hung in fork keeps the rank's preemption handler):
+# the process must still exit, and the loader's shutdown must not leave it behind.
+_STUBBORN = """
+import multiprocessing, signal, sys, time
+sys.path.insert(0, {root!r})
+
+def child():
+    signal.signal(signal.SIGTERM, lambda *a: None)  # as a forked worker that inherited a flag-setting handler
+    time.sleep(600)
+
+if __name__ == "__main__":
+    ctx = multiprocessing.get_context("fork")
+    p = ctx.Process(target=child, daemon=True)
+    p.start()
+    time.sleep(0.5)
+    print(p.pid, flush=True)
+    if sys.argv[1] == "reap":
+        from mcit.data.loader import reap
+        p.terminate()
+        p.join(timeout=1)
+        assert p.is_alive()  # what torch's shutdown leaves
+        reap([p])
+        print("reaped" if not p.is_alive() else "alive", flush=True)
+    from mcit.core.distributed import exit_process
+    exit_process(0)
+"""
+
+
+@pytest.mark.parametrize("how", ["exit", "reap"])
+def test_a_child_that_ignores_sigterm_neither_outlives_the_loader_nor_holds_the_exit(tmp_path, how):
+    """exit_process ends every child still alive before multiprocessing's exit handler joins them (it joined a
+    SIGTERM-proof worker forever: a 2-rank launch that had finished every run never exited); ``reap`` kills
+    loader workers that survived torch's shutdown."""
+    from pathlib import Path
+
+    script = tmp_path / "stubborn.py"
+    script.write_text(_STUBBORN.format(root=str(Path(__file__).resolve().parents[2])))
+    t0 = time.time()
+    r = subprocess.run([sys.executable, str(script), how], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert time.time() - t0 < 30
+    lines = r.stdout.split()
+    pid = int(lines[0])
+    assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
+    if how == "reap":
+        assert lines[1] == "reaped"
