@@ -140,6 +140,7 @@ def tiny_config(assets: dict[str, Path], tmp: Path, name: str = "tiny", **sectio
         "train": {"epochs": 2, "batch_size": 16, "lr": 0.05, "checkpoint_every": 3, "log_every": 2,
                   "progress": False, "deepspeed_config": "deepspeed_configs/zero2.json"},
         "eval": {"batch_size": 50},
+        "log": {"html_report": False},  # the suite's budget: the page is drawn where a test opens it
     }
     return _write_config(cfg, tmp, name, sections)
 
@@ -348,6 +349,7 @@ def mcit_config(assets: dict[str, Path], tmp: Path, name: str = "mcit", **sectio
         "train": {"epochs": 1, "batch_size": 8, "lr": 0.05, "checkpoint_every": 2, "log_every": 2,
                   "progress": False, "deepspeed_config": "deepspeed_configs/zero2.json", "collective_timeout_s": 300},
         "eval": {"batch_size": 16, "max_new_tokens": 3},
+        "log": {"html_report": False},  # the suite's budget: the page is drawn where a test opens it
     }
     return _write_config(cfg, tmp, name, sections)
 

@@ -367,6 +367,8 @@ class LogConfig(_Strict):
                     "metrics; a resumed run continues the same tracker run")
     project: str = Field("mcit", description="W&B project / MLflow experiment (WANDB_PROJECT / "
                                              "MLFLOW_EXPERIMENT_NAME win where set)")
+    html_report: bool = Field(True, description="write report.html when the run finishes (mcit.run.html_report); "
+                                                "off, `mcit-report --html RUN` writes it later")
 
     @field_validator("report_to")
     @classmethod

@@ -4,6 +4,7 @@ heatmap and report.md; the summary the programs print. Both the staged loop and 
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -53,9 +54,14 @@ def write_metrics(plan: Plan, done: int) -> dict[str, Any]:
         report = M.report_markdown(cfg.name, cfg.method.name, cfg.backbone.tag, plan.names, counts, acc, zs, m,
                                    out["backbone_sha256"], heatmap_file=rd.heatmap.name, rows=plan.stage_names)
         atomic_write_text(rd.report, report + M.general_markdown(general, M.general_limits(rd.eval_dir())))
-        from mcit.run.html_report import write_run_html
+        if cfg.log.html_report:
+            from mcit.run.html_report import write_run_html
 
-        write_run_html(rd.root, plan.test or None)
+            try:
+                write_run_html(rd.root, plan.test or None)
+            except Exception as e:  # noqa: BLE001 - the run's results are written: a page it cannot draw is a warning
+                print(f"warning: report.html not written ({e.__class__.__name__}: {e}); `mcit-report --html "
+                      f"{rd.root}` writes it", file=sys.stderr, flush=True)
     return out
 
 

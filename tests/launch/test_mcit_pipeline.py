@@ -25,7 +25,7 @@ Z3 = {"train": {"deepspeed_config": "deepspeed_configs/zero3.json", "lr": 0.1},
 def z3_run(mcit_assets, tmp_path_factory):
     """An uninterrupted 2-rank ZeRO-3 run of the 2-task tiny-LLaVA sequence."""
     tmp = tmp_path_factory.mktemp("mcit_z3")
-    cfg = mcit_config(mcit_assets, tmp, "z3", **Z3)
+    cfg = mcit_config(mcit_assets, tmp, "z3", **Z3, log={"html_report": True})
     r = launch(["--config", str(cfg)], launcher="deepspeed", nproc=2)
     assert r.returncode == 0, r.stderr[-3000:]
     (tmp / "console.txt").write_text(r.stdout + r.stderr)
@@ -135,6 +135,7 @@ def test_killed_mcit_run_resumes_to_identical_answers(mcit_assets, z3_run):
         a = (killed / "eval" / "answers" / "after_task_1" / f"{task}.jsonl").read_text()
         assert a == (z3_run / "runs" / "z3" / "eval" / "answers" / "after_task_1" / f"{task}.jsonl").read_text()
     _trackers_hold_the_logs(killed, got, store)
+    assert not (killed / "report.html").exists()  # log.html_report: false (the suite's configs), the page is not drawn
 
 
 def _trackers_hold_the_logs(run, metrics: dict, store: str) -> None:
