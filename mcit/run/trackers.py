@@ -25,6 +25,7 @@ install 'mcit[trackers]'``); one that is configured and not installed is a pre-f
 
 from __future__ import annotations
 
+import abc
 import json
 import os
 import uuid
@@ -50,7 +51,7 @@ def flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-class _Tracker:
+class _Tracker(abc.ABC):
     """One tracker: what it durably holds (``step``: every training record up to that global step; ``rows``; whether
     the final metrics), as ``logs/trackers.json`` keeps it, and how to write to it."""
 
@@ -63,8 +64,9 @@ class _Tracker:
         state.setdefault("final", False)
         self.sent, self.rows, self.final = state["step"], set(state["rows"]), state["final"]  # in this launch
 
+    @abc.abstractmethod
     def log(self, values: dict[str, float], step: int) -> None:
-        raise NotImplementedError
+        """Send ``values`` at global step ``step``."""
 
     def durable(self) -> bool:
         """Make what was sent durable, where the tracker can; whether it now is."""
@@ -73,8 +75,8 @@ class _Tracker:
     def mark(self) -> None:
         self.state.update(step=self.sent, rows=sorted(self.rows), final=self.final)
 
-    def close(self) -> None:
-        pass
+    def close(self) -> None:  # noqa: B027 - a tracker with nothing to end (none today) keeps this
+        """End the tracker's run (what it was sent is then held)."""
 
 
 class _TensorBoard(_Tracker):
